@@ -1,0 +1,74 @@
+//! The end-to-end workloads of `infomem-engine bench`, defined exactly as in `tools/bench_torch.py`
+//! so the two can be compared side by side:
+//! - `score`: 8 sequences × 512 tokens, teacher-forced log-probs of the last 64 tokens of each;
+//!   tokens/s counts all 4096 input tokens.
+//! - `decode`: 8 prompts × 256 tokens, 128 new tokens each, greedy, EOS ignored; new tokens/s,
+//!   prefill included.
+//! Token ids are drawn uniformly from [100, vocab − 100) with a fixed seed.
+use crate::backend::{Backend, SampleParams};
+use crate::runtime::{self, GenRequest, Model, SchedOptions, ScoreRequest, Seq};
+use crate::util::rng::Rng;
+use anyhow::Result;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug)]
+pub struct BenchShape {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub score_last: usize,
+    pub new_tokens: usize,
+}
+
+impl BenchShape {
+    pub const SCORE: BenchShape = BenchShape { batch: 8, seq_len: 512, score_last: 64, new_tokens: 0 };
+    pub const DECODE: BenchShape = BenchShape { batch: 8, seq_len: 256, score_last: 0, new_tokens: 128 };
+}
+
+pub fn random_ids(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
+    let lo = 100.min(vocab / 4);
+    let span = (vocab - 2 * lo).max(1) as u64;
+    (0..n).map(|_| lo as u32 + rng.below(span) as u32).collect()
+}
+
+/// Returns (tokens counted, seconds).
+pub fn run_score<B: Backend>(model: &Model<B>, s: BenchShape, seed: u64) -> Result<(usize, f64)> {
+    let mut rng = Rng::new(seed);
+    let seqs: Vec<Vec<u32>> = (0..s.batch).map(|_| random_ids(&mut rng, s.seq_len, model.cfg.vocab)).collect();
+    let mut kv = runtime::kv_for(model, s.batch * (s.seq_len + model.page_size))?;
+    let reqs = seqs
+        .iter()
+        .map(|ids| {
+            let cut = s.seq_len - s.score_last;
+            ScoreRequest { seq: Seq::default(), context: ids[..cut].to_vec(), targets: ids[cut..].to_vec(), keep_seq: false }
+        })
+        .collect();
+    let t = Instant::now();
+    let out = runtime::score(model, &mut kv, reqs, SchedOptions { max_batch_tokens: s.batch * s.seq_len })?;
+    let secs = t.elapsed().as_secs_f64();
+    anyhow::ensure!(out.iter().all(|o| o.logprobs.len() == s.score_last && o.logprobs.iter().all(|x| x.is_finite())));
+    Ok((s.batch * s.seq_len, secs))
+}
+
+/// Returns (new tokens, seconds).
+pub fn run_decode<B: Backend>(model: &Model<B>, s: BenchShape, seed: u64) -> Result<(usize, f64)> {
+    let mut rng = Rng::new(seed);
+    let mut kv = runtime::kv_for(model, s.batch * (s.seq_len + s.new_tokens + model.page_size))?;
+    let reqs: Vec<GenRequest> = (0..s.batch)
+        .map(|i| GenRequest {
+            seq: Seq::default(),
+            feed: random_ids(&mut rng, s.seq_len, model.cfg.vocab),
+            max_new: s.new_tokens,
+            params: SampleParams::GREEDY,
+            rng: Rng::derive(seed, i as u64),
+            stop_ids: vec![],
+            stop_strings: vec![],
+            keep_seq: false,
+        })
+        .collect();
+    let t = Instant::now();
+    let out = runtime::generate(model, &mut kv, reqs, SchedOptions { max_batch_tokens: s.batch * s.seq_len }, |_| {})?;
+    let secs = t.elapsed().as_secs_f64();
+    let n: usize = out.iter().map(|o| o.new_ids.len()).sum();
+    anyhow::ensure!(n == s.batch * s.new_tokens, "decode produced {n} tokens");
+    Ok((n, secs))
+}

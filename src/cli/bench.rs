@@ -1,0 +1,74 @@
+//! `bench`: end-to-end throughput of fixed workloads (see `infomem_engine::bench`).
+use super::{print_json, ModelArgs};
+use anyhow::{bail, Result};
+use clap::{Args, ValueEnum};
+use infomem_engine::backend::Backend;
+use infomem_engine::bench::{self, BenchShape};
+use infomem_engine::runtime::Model;
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Work {
+    Score,
+    Decode,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[arg(long, value_enum)]
+    pub work: Work,
+    /// Timed repetitions (the best is reported); one untimed warm-up run precedes them.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    let model = a.model.load_cpu()?;
+    bench_on(&model, &a)
+}
+
+fn bench_on<B: Backend>(model: &Model<B>, a: &BenchArgs) -> Result<()> {
+    if a.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
+    let (shape, run): (BenchShape, fn(&Model<B>, BenchShape, u64) -> Result<(usize, f64)>) = match a.work {
+        Work::Score => (BenchShape::SCORE, bench::run_score::<B>),
+        Work::Decode => (BenchShape::DECODE, bench::run_decode::<B>),
+    };
+    // warm-up: same shapes, fewer sequences
+    let warm = BenchShape { batch: 2, new_tokens: shape.new_tokens.min(8), ..shape };
+    run(model, warm, 1)?;
+    let mut best = f64::INFINITY;
+    let mut tokens = 0;
+    for r in 0..a.repeat {
+        let (n, s) = run(model, shape, 7 + r as u64)?;
+        tokens = n;
+        best = best.min(s);
+    }
+    let tps = tokens as f64 / best;
+    let work = format!("{:?}", a.work).to_lowercase();
+    if a.json {
+        print_json(&json!({
+            "impl": "infomem-engine",
+            "work": work,
+            "model": model.dir.display().to_string(),
+            "backend": model.be.name(),
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": rayon::current_num_threads(),
+            "batch": shape.batch,
+            "seq_len": shape.seq_len,
+            "tokens": tokens,
+            "seconds": best,
+            "tokens_per_s": tps,
+            "repeat": a.repeat,
+        }));
+    } else {
+        println!("{work}: {tokens} tokens in {best:.3} s = {tps:.1} tokens/s ({})", model.be.name());
+    }
+    Ok(())
+}

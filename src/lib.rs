@@ -1,0 +1,11 @@
+//! infomem-engine: train long-context memory agents with GRPO and the InfoMem reward.
+//!
+//! Data flows one way: `model` (configs, weights, tokenizer, LoRA) → `backend` (the fixed set of
+//! ops this transformer needs, CPU and CUDA) → `runtime` (forward with a paged KV cache, batched
+//! generation, teacher-forced log-probs, LoRA backward) → `agent` (chunked memory rollouts) →
+//! `reward` (outcome, gain, InfoMem) → `rl` (GRPO, AdamW, trainer) → `eval`, `data`.
+pub mod backend;
+pub mod bench;
+pub mod model;
+pub mod runtime;
+pub mod util;

@@ -1,0 +1,275 @@
+//! Loading an HF checkpoint's safetensors (single file or sharded with
+//! `model.safetensors.index.json`), memory-mapped, converted to f32 on the host.
+//!
+//! The projections are fused at load time: q,k,v into one `[q+2kv, d]` matrix and gate,up into one
+//! `[2i, d]` matrix, so a layer runs 4 GEMMs instead of 7 (LoRA deltas are added to column slices
+//! of the fused outputs, see `runtime`).
+use super::config::ModelConfig;
+use anyhow::{anyhow, bail, Context, Result};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// A host tensor in f32, row-major.
+#[derive(Clone, Debug, Default)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        HostTensor { shape, data }
+    }
+    pub fn zeros(shape: Vec<usize>) -> Self {
+        let n = shape.iter().product();
+        HostTensor { shape, data: vec![0.0; n] }
+    }
+}
+
+/// One transformer block's weights, projections fused (see module doc).
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: HostTensor,
+    /// `[q_dim + 2 kv_dim, hidden]`: rows of q_proj, then k_proj, then v_proj.
+    pub qkv: HostTensor,
+    /// `[q_dim + 2 kv_dim]` when the architecture has q/k/v biases.
+    pub qkv_bias: Option<HostTensor>,
+    pub o: HostTensor,
+    pub mlp_norm: HostTensor,
+    /// `[2 intermediate, hidden]`: rows of gate_proj, then up_proj.
+    pub gate_up: HostTensor,
+    pub down: HostTensor,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelWeights {
+    pub embed: HostTensor,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: HostTensor,
+    /// `None` when the head is tied to the embeddings.
+    pub lm_head: Option<HostTensor>,
+}
+
+/// The memory-mapped safetensors files of a checkpoint, with the name → file map.
+pub struct SafetensorsSet {
+    maps: Vec<(PathBuf, Mmap)>,
+    index: HashMap<String, usize>,
+}
+
+impl SafetensorsSet {
+    /// Open `model.safetensors`, or the shards listed by `model.safetensors.index.json`.
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("cannot read {}", index_path.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", index_path.display()))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| anyhow!("{} has no \"weight_map\" object", index_path.display()))?;
+            let mut names: Vec<String> =
+                map.values().filter_map(|x| x.as_str().map(String::from)).collect();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else if single.exists() {
+            vec![single]
+        } else {
+            bail!(
+                "no weights in {}: expected model.safetensors or model.safetensors.index.json",
+                dir.display()
+            );
+        };
+        Self::open_files(&files)
+    }
+
+    pub fn open_files(files: &[PathBuf]) -> Result<Self> {
+        let mut maps = Vec::new();
+        let mut index = HashMap::new();
+        for (i, path) in files.iter().enumerate() {
+            let f = File::open(path).with_context(|| format!("cannot open weights file {}", path.display()))?;
+            // Safety: the file is opened read-only; we never hand out references past the Mmap's life.
+            let map = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot mmap {}", path.display()))?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| {
+                anyhow!("{} is not a valid safetensors file: {e}", path.display())
+            })?;
+            for name in st.names() {
+                index.insert(name.to_string(), i);
+            }
+            maps.push((path.clone(), map));
+        }
+        Ok(SafetensorsSet { maps, index })
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(|s| s.as_str())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Read tensor `name` as f32, checking its shape against `expect` (when given).
+    pub fn get_f32(&self, name: &str, expect: Option<&[usize]>) -> Result<HostTensor> {
+        let &fi = self.index.get(name).ok_or_else(|| {
+            let files: Vec<String> = self.maps.iter().map(|(p, _)| p.display().to_string()).collect();
+            anyhow!("tensor {name} not found in {}", files.join(", "))
+        })?;
+        let (path, map) = &self.maps[fi];
+        let st = SafeTensors::deserialize(map).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let view = st.tensor(name).map_err(|e| anyhow!("{}: tensor {name}: {e}", path.display()))?;
+        let shape = view.shape().to_vec();
+        if let Some(e) = expect {
+            if shape != e {
+                bail!(
+                    "tensor {name} in {} has shape {:?}, expected {:?} (from config.json / the base model)",
+                    path.display(),
+                    shape,
+                    e
+                );
+            }
+        }
+        let bytes = view.data();
+        let data = decode_f32(view.dtype(), bytes)
+            .with_context(|| format!("tensor {name} in {}", path.display()))?;
+        Ok(HostTensor { shape, data })
+    }
+}
+
+/// Convert raw little-endian bytes of a float dtype to f32.
+pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => bail!("dtype {other:?} is not supported (F32, F16 or BF16)"),
+    })
+}
+
+fn concat_rows(parts: Vec<HostTensor>) -> HostTensor {
+    let cols = parts[0].shape.get(1).copied();
+    let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+    let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+    for p in parts {
+        data.extend_from_slice(&p.data);
+    }
+    let shape = match cols {
+        Some(c) => vec![rows, c],
+        None => vec![rows],
+    };
+    HostTensor { shape, data }
+}
+
+impl ModelWeights {
+    pub fn load(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
+        let set = SafetensorsSet::open_dir(dir)?;
+        Self::from_set(&set, cfg).with_context(|| format!("loading weights from {}", dir.display()))
+    }
+
+    pub fn from_set(set: &SafetensorsSet, cfg: &ModelConfig) -> Result<Self> {
+        let (d, q, kv, i) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+        let embed = set.get_f32("model.embed_tokens.weight", Some(&[cfg.vocab, d]))?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let p = format!("model.layers.{l}");
+            let g = |n: &str, s: &[usize]| set.get_f32(&format!("{p}.{n}"), Some(s));
+            let qkv = concat_rows(vec![
+                g("self_attn.q_proj.weight", &[q, d])?,
+                g("self_attn.k_proj.weight", &[kv, d])?,
+                g("self_attn.v_proj.weight", &[kv, d])?,
+            ]);
+            let qkv_bias = if cfg.qkv_bias {
+                Some(concat_rows(vec![
+                    g("self_attn.q_proj.bias", &[q])?,
+                    g("self_attn.k_proj.bias", &[kv])?,
+                    g("self_attn.v_proj.bias", &[kv])?,
+                ]))
+            } else {
+                None
+            };
+            layers.push(LayerWeights {
+                attn_norm: g("input_layernorm.weight", &[d])?,
+                qkv,
+                qkv_bias,
+                o: g("self_attn.o_proj.weight", &[d, q])?,
+                mlp_norm: g("post_attention_layernorm.weight", &[d])?,
+                gate_up: concat_rows(vec![g("mlp.gate_proj.weight", &[i, d])?, g("mlp.up_proj.weight", &[i, d])?]),
+                down: g("mlp.down_proj.weight", &[d, i])?,
+            });
+        }
+        let final_norm = set.get_f32("model.norm.weight", Some(&[d]))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else if set.contains("lm_head.weight") {
+            Some(set.get_f32("lm_head.weight", Some(&[cfg.vocab, d]))?)
+        } else {
+            bail!("lm_head.weight is missing and config.json does not set tie_word_embeddings = true");
+        };
+        Ok(ModelWeights { embed, layers, final_norm, lm_head })
+    }
+
+    /// The unfused HF tensors (for merge/export): name → tensor.
+    pub fn to_hf(&self, cfg: &ModelConfig) -> BTreeMap<String, HostTensor> {
+        let (d, q, kv, i) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+        let rows = |t: &HostTensor, a: usize, b: usize, cols: usize| {
+            HostTensor::new(vec![b - a, cols], t.data[a * cols..b * cols].to_vec())
+        };
+        let vecpart = |t: &HostTensor, a: usize, b: usize| HostTensor::new(vec![b - a], t.data[a..b].to_vec());
+        let mut m = BTreeMap::new();
+        m.insert("model.embed_tokens.weight".into(), self.embed.clone());
+        for (l, w) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            m.insert(format!("{p}.input_layernorm.weight"), w.attn_norm.clone());
+            m.insert(format!("{p}.self_attn.q_proj.weight"), rows(&w.qkv, 0, q, d));
+            m.insert(format!("{p}.self_attn.k_proj.weight"), rows(&w.qkv, q, q + kv, d));
+            m.insert(format!("{p}.self_attn.v_proj.weight"), rows(&w.qkv, q + kv, q + 2 * kv, d));
+            if let Some(b) = &w.qkv_bias {
+                m.insert(format!("{p}.self_attn.q_proj.bias"), vecpart(b, 0, q));
+                m.insert(format!("{p}.self_attn.k_proj.bias"), vecpart(b, q, q + kv));
+                m.insert(format!("{p}.self_attn.v_proj.bias"), vecpart(b, q + kv, q + 2 * kv));
+            }
+            m.insert(format!("{p}.self_attn.o_proj.weight"), w.o.clone());
+            m.insert(format!("{p}.post_attention_layernorm.weight"), w.mlp_norm.clone());
+            m.insert(format!("{p}.mlp.gate_proj.weight"), rows(&w.gate_up, 0, i, d));
+            m.insert(format!("{p}.mlp.up_proj.weight"), rows(&w.gate_up, i, 2 * i, d));
+            m.insert(format!("{p}.mlp.down_proj.weight"), w.down.clone());
+        }
+        m.insert("model.norm.weight".into(), self.final_norm.clone());
+        if let Some(h) = &self.lm_head {
+            m.insert("lm_head.weight".into(), h.clone());
+        }
+        m
+    }
+}
+
+/// Write f32 tensors as a safetensors file, atomically (temp file + rename).
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, HostTensor>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(), t.shape.clone()))
+        .collect();
+    let views: Vec<(String, TensorView)> = bytes
+        .iter()
+        .map(|(k, b, s)| Ok((k.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
+    let data = safetensors::serialize(views, metadata)?;
+    crate::util::fs::write_atomic(path, &data)
+}

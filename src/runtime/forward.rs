@@ -1,0 +1,205 @@
+//! One batched forward step over any mix of sequences: prefill chunks, single decode tokens and
+//! teacher-forced scoring share one pass (continuous batching). Every token's K/V goes into the
+//! paged cache; only the rows whose outputs are wanted reach the final norm and the head.
+use super::kv::{KvCache, Seq};
+use super::model::Model;
+use crate::backend::{AttnSeq, Backend, SampleParams, Sampled};
+use crate::model::lora::Proj;
+use crate::util::prof;
+use anyhow::{bail, Result};
+
+/// What a step should return for one entry.
+#[derive(Clone, Debug)]
+pub enum Want {
+    /// Only extend the cache (a prefill chunk that does not end the prompt).
+    Nothing,
+    /// Logits of the entry's last row, downloaded to the host.
+    Logits,
+    /// Sample the next token from the last row.
+    Sample { params: SampleParams, uniform: f64 },
+    /// Log-probabilities: row `first_row + j` of the entry predicts `targets[j]`.
+    LogProbs { first_row: usize, targets: Vec<u32> },
+}
+
+pub struct Entry<'a> {
+    pub seq: &'a mut Seq,
+    pub tokens: &'a [u32],
+    pub want: Want,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct EntryOut {
+    pub logits: Option<Vec<f32>>,
+    pub sampled: Option<Sampled>,
+    pub logprobs: Vec<f32>,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn step(&self, kv: &mut KvCache<B>, entries: &mut [Entry]) -> Result<Vec<EntryOut>> {
+        let be = &self.be;
+        let cfg = &self.cfg;
+        let g = self.geom();
+        let (d, inter) = (cfg.hidden, cfg.intermediate);
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let qkv_dim = q_dim + 2 * kv_dim;
+
+        // ---- layout: rows of all entries, their positions and cache slots ----
+        let n: usize = entries.iter().map(|e| e.tokens.len()).sum();
+        if n == 0 {
+            return Ok(entries.iter().map(|_| EntryOut::default()).collect());
+        }
+        let mut ids = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
+        let mut row0 = Vec::with_capacity(entries.len());
+        for e in entries.iter_mut() {
+            if e.tokens.is_empty() {
+                if !matches!(e.want, Want::Nothing) {
+                    bail!("a step entry with no tokens cannot produce outputs");
+                }
+            }
+            if let Some(&bad) = e.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+                bail!("token id {bad} is outside the vocabulary (size {})", cfg.vocab);
+            }
+            row0.push(ids.len());
+            ids.extend_from_slice(e.tokens);
+            positions.extend((e.seq.len..e.seq.len + e.tokens.len()).map(|p| p as u32));
+            slots.extend(kv.reserve(be, e.seq, e.tokens.len())?);
+        }
+        let seqs: Vec<AttnSeq> = entries
+            .iter()
+            .zip(&row0)
+            .filter(|(e, _)| !e.tokens.is_empty())
+            .map(|(e, &r)| AttnSeq { q_row: r, n_q: e.tokens.len(), ctx_len: e.seq.len + e.tokens.len(), pages: &e.seq.pages })
+            .collect();
+
+        // ---- the transformer ----
+        let mut x = be.zeros(n * d)?;
+        let mut h = be.zeros(n * d)?;
+        let mut qkv = be.zeros(n * qkv_dim)?;
+        let mut att = be.zeros(n * q_dim)?;
+        let mut o = be.zeros(n * d)?;
+        let mut gu = be.zeros(n * 2 * inter)?;
+        let mut act = be.zeros(n * inter)?;
+        be.embed(&self.embed, &ids, d, &mut x)?;
+        be.rmsnorm(&x, &self.layers[0].attn_norm, cfg.rms_eps, n, d, &mut h)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            prof::time("matmul_qkv", || be.matmul(&h, &w.qkv, w.qkv_bias.as_ref(), n, d, qkv_dim, &mut qkv))?;
+            self.lora_delta(l, Proj::Q, &h, n, &mut qkv, 0, qkv_dim)?;
+            self.lora_delta(l, Proj::K, &h, n, &mut qkv, q_dim, qkv_dim)?;
+            self.lora_delta(l, Proj::V, &h, n, &mut qkv, q_dim + kv_dim, qkv_dim)?;
+            prof::time("rope", || be.rope(&mut qkv, &positions, &self.inv_freq, g))?;
+            prof::time("kv_store", || be.kv_store(&mut kv.store, l, &qkv, &slots, g))?;
+            prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
+            prof::time("matmul_o", || be.matmul(&att, &w.o, None, n, q_dim, d, &mut o))?;
+            self.lora_delta(l, Proj::O, &att, n, &mut o, 0, d)?;
+            prof::time("add_rmsnorm", || be.add_rmsnorm(&mut x, &o, &w.mlp_norm, cfg.rms_eps, n, d, &mut h))?;
+            prof::time("matmul_gate_up", || be.matmul(&h, &w.gate_up, None, n, d, 2 * inter, &mut gu))?;
+            self.lora_delta(l, Proj::Gate, &h, n, &mut gu, 0, 2 * inter)?;
+            self.lora_delta(l, Proj::Up, &h, n, &mut gu, inter, 2 * inter)?;
+            prof::time("swiglu", || be.swiglu(&gu, n, inter, &mut act))?;
+            prof::time("matmul_down", || be.matmul(&act, &w.down, None, n, inter, d, &mut o))?;
+            self.lora_delta(l, Proj::Down, &act, n, &mut o, 0, d)?;
+            match self.layers.get(l + 1) {
+                Some(next) => be.add_rmsnorm(&mut x, &o, &next.attn_norm, cfg.rms_eps, n, d, &mut h)?,
+                None => be.add(&mut x, &o, n * d)?,
+            }
+        }
+        for e in entries.iter_mut() {
+            e.seq.len += e.tokens.len();
+        }
+
+        // ---- outputs: only the wanted rows go through the final norm and the head ----
+        let mut outs: Vec<EntryOut> = entries.iter().map(|_| EntryOut::default()).collect();
+        let mut last_rows = Vec::new(); // (entry, row)
+        let mut lp_rows = Vec::new();
+        let mut lp_targets = Vec::new();
+        let mut lp_owner = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            match &e.want {
+                Want::Nothing => {}
+                Want::Logits | Want::Sample { .. } => last_rows.push((i, (row0[i] + e.tokens.len() - 1) as u32)),
+                Want::LogProbs { first_row, targets } => {
+                    if first_row + targets.len() > e.tokens.len() {
+                        bail!("log-prob rows {}..{} beyond the entry's {} tokens", first_row, first_row + targets.len(), e.tokens.len());
+                    }
+                    for (j, &t) in targets.iter().enumerate() {
+                        if t as usize >= cfg.vocab {
+                            bail!("target id {t} is outside the vocabulary (size {})", cfg.vocab);
+                        }
+                        lp_rows.push((row0[i] + first_row + j) as u32);
+                        lp_targets.push(t);
+                        lp_owner.push(i);
+                    }
+                }
+            }
+        }
+        if !last_rows.is_empty() {
+            let rows: Vec<u32> = last_rows.iter().map(|r| r.1).collect();
+            let m = rows.len();
+            let mut sel = be.zeros(m * d)?;
+            let mut hn = be.zeros(m * d)?;
+            be.gather_rows(&x, &rows, d, &mut sel)?;
+            be.rmsnorm(&sel, &self.final_norm, cfg.rms_eps, m, d, &mut hn)?;
+            let mut logits = be.zeros(m * cfg.vocab)?;
+            prof::time("head_logits", || be.matmul(&hn, self.head(), None, m, d, cfg.vocab, &mut logits))?;
+            let mut params = Vec::new();
+            let mut uniform = Vec::new();
+            let mut sample_idx = Vec::new();
+            let mut host_logits = None;
+            for (k, &(i, _)) in last_rows.iter().enumerate() {
+                match entries[i].want {
+                    Want::Sample { params: p, uniform: u } => {
+                        params.push(p);
+                        uniform.push(u);
+                        sample_idx.push((k, i));
+                    }
+                    Want::Logits => {
+                        if host_logits.is_none() {
+                            host_logits = Some(be.download(&logits)?);
+                        }
+                        let hl = host_logits.as_ref().unwrap();
+                        outs[i].logits = Some(hl[k * cfg.vocab..(k + 1) * cfg.vocab].to_vec());
+                    }
+                    _ => unreachable!(),
+                }
+            }
+            if !sample_idx.is_empty() {
+                // Sampling rows must be contiguous in `logits`: compact them when mixed with Logits rows.
+                let picked = if sample_idx.len() == m {
+                    be.sample(&logits, cfg.vocab, &params, &uniform)?
+                } else {
+                    let rows: Vec<u32> = sample_idx.iter().map(|&(k, _)| k as u32).collect();
+                    let mut sub = be.zeros(rows.len() * cfg.vocab)?;
+                    be.gather_rows(&logits, &rows, cfg.vocab, &mut sub)?;
+                    be.sample(&sub, cfg.vocab, &params, &uniform)?
+                };
+                for (&(_, i), s) in sample_idx.iter().zip(picked) {
+                    outs[i].sampled = Some(s);
+                }
+            }
+        }
+        if !lp_rows.is_empty() {
+            let m = lp_rows.len();
+            let mut sel = be.zeros(m * d)?;
+            let mut hn = be.zeros(m * d)?;
+            be.gather_rows(&x, &lp_rows, d, &mut sel)?;
+            be.rmsnorm(&sel, &self.final_norm, cfg.rms_eps, m, d, &mut hn)?;
+            let lps = prof::time("head_logprobs", || be.logprobs(&hn, self.head(), &lp_targets, d, cfg.vocab))?;
+            for (lp, &i) in lps.into_iter().zip(&lp_owner) {
+                outs[i].logprobs.push(lp);
+            }
+        }
+        Ok(outs)
+    }
+
+    /// Add the LoRA delta of (layer, proj), if the adapter has one, to a column slice of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_delta(&self, layer: usize, p: Proj, input: &B::Buf, m: usize, out: &mut B::Buf, col0: usize, ld: usize) -> Result<()> {
+        if let Some((a, b, scale, r)) = self.lora_pair(layer, p) {
+            let (din, dout) = p.dims(&self.cfg);
+            prof::time("lora", || self.be.lora(input, a, b, scale, m, din, r, dout, out, col0, ld))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,302 @@
+//! Batched generation and teacher-forced scoring over sequences of different lengths.
+//!
+//! A scheduler feeds every live request each step: requests still reading their prompt get a
+//! chunk of it (within a token budget per step), requests that are generating get their last
+//! token. Prefill and decode share the same forward pass and the same paged KV cache.
+use super::forward::{Entry, Want};
+use super::kv::{KvCache, Seq};
+use super::model::Model;
+use crate::backend::{Backend, SampleParams};
+use crate::util::rng::Rng;
+use anyhow::{bail, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// An end-of-sequence id was generated (it is included in `new_ids`).
+    Eos,
+    /// A stop string appeared in the decoded text.
+    Stop,
+    /// `max_new` tokens were generated.
+    Length,
+}
+
+pub struct GenRequest {
+    /// The sequence to continue: empty, or forked from a shared prefix already in the cache.
+    pub seq: Seq,
+    /// Prompt tokens still to read before generating (at least one).
+    pub feed: Vec<u32>,
+    pub max_new: usize,
+    pub params: SampleParams,
+    pub rng: Rng,
+    pub stop_ids: Vec<u32>,
+    pub stop_strings: Vec<String>,
+    /// Keep the sequence (prompt + generated tokens) in the cache and return it.
+    pub keep_seq: bool,
+}
+
+#[derive(Debug)]
+pub struct GenOutput {
+    pub new_ids: Vec<u32>,
+    /// Log-probability of each generated token under the model (temperature 1).
+    pub logprobs: Vec<f32>,
+    pub finish: Finish,
+    /// Length of the sequence when generation began (prefix + prompt).
+    pub prompt_len: usize,
+    pub seq: Option<Seq>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct SchedOptions {
+    /// Upper bound on tokens per forward step (prefill chunks are cut to fit).
+    pub max_batch_tokens: usize,
+}
+
+impl Default for SchedOptions {
+    fn default() -> Self {
+        SchedOptions { max_batch_tokens: 2048 }
+    }
+}
+
+struct Live {
+    req: GenRequest,
+    fed: usize,
+    out: Vec<u32>,
+    lps: Vec<f32>,
+    finish: Option<Finish>,
+    prompt_len: usize,
+}
+
+/// Generate for every request; outputs are in request order. `on_token` is called after every
+/// step with the number of tokens generated in it (for progress bars).
+pub fn generate<B: Backend>(
+    model: &Model<B>,
+    kv: &mut KvCache<B>,
+    reqs: Vec<GenRequest>,
+    opts: SchedOptions,
+    mut on_token: impl FnMut(usize),
+) -> Result<Vec<GenOutput>> {
+    for (i, r) in reqs.iter().enumerate() {
+        if r.feed.is_empty() {
+            bail!("request {i}: empty prompt (at least one token must be read before generating)");
+        }
+    }
+    let mut live: Vec<Live> = reqs
+        .into_iter()
+        .map(|req| {
+            let prompt_len = req.seq.len + req.feed.len();
+            let finish = if req.max_new == 0 { Some(Finish::Length) } else { None };
+            Live { req, fed: 0, out: vec![], lps: vec![], finish, prompt_len }
+        })
+        .collect();
+    let budget = opts.max_batch_tokens.max(1);
+    let result = (|| -> Result<()> {
+        loop {
+            // Decode rows first (one token each), then prefill chunks in the remaining budget.
+            let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (live idx, from, to) of feed or usize::MAX for decode
+            let mut used = 0;
+            for (i, l) in live.iter().enumerate() {
+                if l.finish.is_none() && l.fed == l.req.feed.len() {
+                    plan.push((i, usize::MAX, 0));
+                    used += 1;
+                }
+            }
+            for (i, l) in live.iter().enumerate() {
+                if l.finish.is_none() && l.fed < l.req.feed.len() && used < budget {
+                    let take = (l.req.feed.len() - l.fed).min(budget - used);
+                    plan.push((i, l.fed, l.fed + take));
+                    used += take;
+                }
+            }
+            if plan.is_empty() {
+                return Ok(());
+            }
+            // Build entries; sequences are moved out for the step's mutable borrows.
+            let mut seqs: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut live[i].req.seq)).collect();
+            let toks: Vec<Vec<u32>> = plan
+                .iter()
+                .map(|&(i, a, b)| if a == usize::MAX { vec![*live[i].out.last().unwrap()] } else { live[i].req.feed[a..b].to_vec() })
+                .collect();
+            let wants: Vec<Want> = plan
+                .iter()
+                .map(|&(i, a, b)| {
+                    let l = &mut live[i];
+                    if a == usize::MAX || b == l.req.feed.len() {
+                        let uniform = if l.req.params.is_greedy() { 0.0 } else { l.req.rng.next_f64() };
+                        Want::Sample { params: l.req.params, uniform }
+                    } else {
+                        Want::Nothing
+                    }
+                })
+                .collect();
+            let mut entries: Vec<Entry> = seqs
+                .iter_mut()
+                .zip(&toks)
+                .zip(wants)
+                .map(|((seq, t), want)| Entry { seq, tokens: t, want })
+                .collect();
+            let outs = model.step(kv, &mut entries);
+            drop(entries);
+            for (&(i, _, _), s) in plan.iter().zip(seqs.drain(..)) {
+                live[i].req.seq = s;
+            }
+            let outs = outs?;
+            let mut produced = 0;
+            for (&(i, a, b), o) in plan.iter().zip(outs) {
+                let l = &mut live[i];
+                if a != usize::MAX {
+                    l.fed = b;
+                }
+                let Some(s) = o.sampled else { continue };
+                produced += 1;
+                l.out.push(s.token);
+                l.lps.push(s.logprob);
+                if l.req.stop_ids.contains(&s.token) {
+                    l.finish = Some(Finish::Eos);
+                } else if !l.req.stop_strings.is_empty() && hits_stop(model, &l.out, &l.req.stop_strings) {
+                    l.finish = Some(Finish::Stop);
+                } else if l.out.len() >= l.req.max_new {
+                    l.finish = Some(Finish::Length);
+                }
+                if l.finish.is_some() && !l.req.keep_seq {
+                    let s = std::mem::take(&mut l.req.seq);
+                    kv.release(&model.be, s);
+                }
+            }
+            on_token(produced);
+        }
+    })();
+    if let Err(e) = result {
+        for l in live {
+            kv.release(&model.be, l.req.seq);
+        }
+        return Err(e);
+    }
+    Ok(live
+        .into_iter()
+        .map(|l| {
+            let keep = l.req.keep_seq;
+            GenOutput {
+                new_ids: l.out,
+                logprobs: l.lps,
+                finish: l.finish.unwrap_or(Finish::Length),
+                prompt_len: l.prompt_len,
+                seq: if keep { Some(l.req.seq) } else { None },
+            }
+        })
+        .collect())
+}
+
+fn hits_stop<B: Backend>(model: &Model<B>, out: &[u32], stops: &[String]) -> bool {
+    let Some(tok) = &model.tokenizer else { return false };
+    let longest = stops.iter().map(|s| s.len()).max().unwrap_or(0);
+    // A stop string of L bytes spans at most L tokens; decode a little more for safety.
+    let tail = &out[out.len().saturating_sub(longest + 4)..];
+    match tok.decode(tail, false) {
+        Ok(text) => stops.iter().any(|s| text.contains(s.as_str())),
+        Err(_) => false,
+    }
+}
+
+pub struct ScoreRequest {
+    /// Sequence to extend (empty, or a fork of a cached prompt).
+    pub seq: Seq,
+    /// Context tokens to read first (at least one: its last row predicts the first target).
+    pub context: Vec<u32>,
+    pub targets: Vec<u32>,
+    pub keep_seq: bool,
+}
+
+pub struct ScoreOutput {
+    pub logprobs: Vec<f32>,
+    pub seq: Option<Seq>,
+}
+
+/// Teacher-forced log-probabilities of each request's targets after its context.
+pub fn score<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, reqs: Vec<ScoreRequest>, opts: SchedOptions) -> Result<Vec<ScoreOutput>> {
+    for (i, r) in reqs.iter().enumerate() {
+        if r.context.is_empty() {
+            bail!("score request {i}: the context is empty (a target needs at least one context token before it)");
+        }
+        if r.targets.is_empty() {
+            bail!("score request {i}: the target is empty");
+        }
+    }
+    // Tokens read per request: context ++ targets[..n-1]; row r predicts fed[r+1].
+    let mut fed: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| r.context.iter().chain(&r.targets[..r.targets.len() - 1]).copied().collect())
+        .collect();
+    let mut seqs: Vec<Seq> = Vec::new();
+    let mut keep = Vec::new();
+    let mut ctx_len = Vec::new();
+    let mut targets = Vec::new();
+    for r in reqs {
+        ctx_len.push(r.context.len());
+        keep.push(r.keep_seq);
+        targets.push(r.targets);
+        seqs.push(r.seq);
+    }
+    let mut lps: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+    let mut cursor = vec![0usize; seqs.len()];
+    let budget = opts.max_batch_tokens.max(1);
+    let res = (|| -> Result<()> {
+        loop {
+            let mut plan = Vec::new();
+            let mut used = 0;
+            for i in 0..seqs.len() {
+                if cursor[i] < fed[i].len() && used < budget {
+                    let take = (fed[i].len() - cursor[i]).min(budget - used);
+                    plan.push((i, cursor[i], cursor[i] + take));
+                    used += take;
+                }
+            }
+            if plan.is_empty() {
+                return Ok(());
+            }
+            let mut taken: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut seqs[i])).collect();
+            let mut entries: Vec<Entry> = Vec::new();
+            for ((&(i, a, b), seq), _) in plan.iter().zip(taken.iter_mut()).zip(0..) {
+                // rows a..b of fed; row r predicts targets[r - (ctx_len - 1)] when r >= ctx_len - 1
+                let first = (ctx_len[i] - 1).max(a);
+                let want = if first < b {
+                    let t0 = first - (ctx_len[i] - 1);
+                    Want::LogProbs { first_row: first - a, targets: targets[i][t0..t0 + (b - first)].to_vec() }
+                } else {
+                    Want::Nothing
+                };
+                entries.push(Entry { seq, tokens: &fed[i][a..b], want });
+            }
+            let outs = model.step(kv, &mut entries);
+            drop(entries);
+            for (&(i, _, b), s) in plan.iter().zip(taken.drain(..)) {
+                seqs[i] = s;
+                cursor[i] = b;
+            }
+            for (&(i, _, _), o) in plan.iter().zip(outs?) {
+                lps[i].extend(o.logprobs);
+            }
+        }
+    })();
+    fed.clear();
+    if let Err(e) = res {
+        for s in seqs {
+            kv.release(&model.be, s);
+        }
+        return Err(e);
+    }
+    Ok(seqs
+        .into_iter()
+        .zip(lps)
+        .zip(keep)
+        .map(|((s, l), k)| {
+            let seq = if k {
+                Some(s)
+            } else {
+                kv.release(&model.be, s);
+                None
+            };
+            ScoreOutput { logprobs: l, seq }
+        })
+        .collect())
+}

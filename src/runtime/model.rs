@@ -1,0 +1,167 @@
+//! A loaded model on a backend: weights, optional LoRA adapter, tokenizer, RoPE frequencies.
+use crate::backend::{AttnGeom, Backend};
+use crate::model::config::ModelConfig;
+use crate::model::lora::{LoraAdapter, Proj, ALL_PROJS};
+use crate::model::tokenizer::TextTokenizer;
+use crate::model::weights::ModelWeights;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+pub struct DeviceLayer<B: Backend> {
+    pub attn_norm: B::Buf,
+    pub qkv: B::Buf,
+    pub qkv_bias: Option<B::Buf>,
+    pub o: B::Buf,
+    pub mlp_norm: B::Buf,
+    pub gate_up: B::Buf,
+    pub down: B::Buf,
+}
+
+/// A LoRA adapter resident on the backend. `host` is the master copy (training updates it and
+/// re-uploads; export writes it).
+pub struct DeviceLora<B: Backend> {
+    pub host: LoraAdapter,
+    pub scale: f32,
+    /// `layers[l][proj.index()] = (A, B)`
+    pub layers: Vec<[Option<(B::Buf, B::Buf)>; 7]>,
+}
+
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub be: B,
+    pub dir: PathBuf,
+    pub embed: B::Buf,
+    pub layers: Vec<DeviceLayer<B>>,
+    pub final_norm: B::Buf,
+    pub lm_head: Option<B::Buf>,
+    pub inv_freq: Vec<f32>,
+    pub tokenizer: Option<TextTokenizer>,
+    pub lora: Option<DeviceLora<B>>,
+    /// When false the adapter is bypassed: the LoRA-off reference policy, at no memory cost.
+    pub lora_enabled: bool,
+    pub page_size: usize,
+}
+
+impl<B: Backend> Model<B> {
+    /// Load an HF model directory onto `be`.
+    pub fn load(dir: &Path, be: B) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("model directory {} does not exist", dir.display());
+        }
+        let cfg = ModelConfig::load(dir)?;
+        let weights = ModelWeights::load(dir, &cfg)?;
+        let tokenizer = TextTokenizer::load(dir, &cfg.eos_token_ids)?;
+        if let Some(t) = &tokenizer {
+            if t.vocab_size() > cfg.vocab {
+                bail!(
+                    "tokenizer.json has {} tokens but config.json says vocab_size {}: they belong to different models",
+                    t.vocab_size(),
+                    cfg.vocab
+                );
+            }
+        }
+        Self::from_weights(cfg, weights, tokenizer, be, dir)
+    }
+
+    pub fn from_weights(cfg: ModelConfig, w: ModelWeights, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Result<Self> {
+        let up = |t: crate::model::weights::HostTensor| be.upload_vec(t.data);
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in w.layers {
+            layers.push(DeviceLayer {
+                attn_norm: up(l.attn_norm)?,
+                qkv: up(l.qkv)?,
+                qkv_bias: l.qkv_bias.map(up).transpose()?,
+                o: up(l.o)?,
+                mlp_norm: up(l.mlp_norm)?,
+                gate_up: up(l.gate_up)?,
+                down: up(l.down)?,
+            });
+        }
+        let inv_freq = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
+        Ok(Model {
+            embed: up(w.embed)?,
+            final_norm: up(w.final_norm)?,
+            lm_head: w.lm_head.map(up).transpose()?,
+            layers,
+            inv_freq,
+            tokenizer,
+            lora: None,
+            lora_enabled: true,
+            page_size: 16,
+            cfg,
+            be,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The output head (the embeddings when tied).
+    pub fn head(&self) -> &B::Buf {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    pub fn geom(&self) -> AttnGeom {
+        AttnGeom::new(&self.cfg, self.page_size)
+    }
+
+    pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        let a = LoraAdapter::load(dir, &self.cfg)?;
+        self.set_adapter(a)
+    }
+
+    pub fn set_adapter(&mut self, a: LoraAdapter) -> Result<()> {
+        let mut layers = Vec::with_capacity(a.layers.len());
+        for row in &a.layers {
+            let mut dev: [Option<(B::Buf, B::Buf)>; 7] = Default::default();
+            for p in ALL_PROJS {
+                if let Some(pair) = &row[p.index()] {
+                    dev[p.index()] = Some((self.be.upload(&pair.a.data)?, self.be.upload(&pair.b.data)?));
+                }
+            }
+            layers.push(dev);
+        }
+        self.lora = Some(DeviceLora { scale: a.scale(), host: a, layers });
+        self.lora_enabled = true;
+        Ok(())
+    }
+
+    /// Push the host copy of the adapter to the backend (after an optimizer step).
+    pub fn sync_adapter(&mut self) -> Result<()> {
+        let Some(l) = &mut self.lora else { return Ok(()) };
+        for (row, dev) in l.host.layers.iter().zip(l.layers.iter_mut()) {
+            for p in ALL_PROJS {
+                if let (Some(pair), Some((a, b))) = (&row[p.index()], &mut dev[p.index()]) {
+                    self.be.write(a, &pair.a.data)?;
+                    self.be.write(b, &pair.b.data)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The active LoRA pair of (layer, proj), if any.
+    pub fn lora_pair(&self, layer: usize, p: Proj) -> Option<(&B::Buf, &B::Buf, f32, usize)> {
+        if !self.lora_enabled {
+            return None;
+        }
+        let l = self.lora.as_ref()?;
+        let (a, b) = l.layers[layer][p.index()].as_ref()?;
+        Some((a, b, l.scale, l.host.r))
+    }
+
+    pub fn tokenizer(&self) -> Result<&TextTokenizer> {
+        self.tokenizer.as_ref().with_context(|| {
+            format!(
+                "model {} has no tokenizer (no tokenizer.json): give token ids (--prompt-ids / --context-ids / --target-ids) instead of text",
+                self.dir.display()
+            )
+        })
+    }
+
+    /// Ids that end generation.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        match &self.tokenizer {
+            Some(t) => t.eos_ids.clone(),
+            None => self.cfg.eos_token_ids.clone(),
+        }
+    }
+}
