@@ -150,3 +150,7 @@ pub trait Backend: Send + Sync {
     /// Pick one token per row of `logits [rows, vocab]`; `uniform[row]` in [0,1) drives the draw.
     fn sample(&self, logits: &Self::Buf, vocab: usize, params: &[SampleParams], uniform: &[f64]) -> Result<Vec<Sampled>>;
 }
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod train;

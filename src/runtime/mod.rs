@@ -1,5 +1,6 @@
 //! Running the transformer: a loaded model on a backend, the paged KV cache, the batched forward
 //! step, generation and teacher-forced scoring, and (for training) the LoRA backward.
+pub mod backward;
 pub mod forward;
 pub mod generate;
 pub mod kv;

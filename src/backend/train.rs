@@ -1,0 +1,1 @@
+//! Backward ops for LoRA training (being written).

@@ -1,0 +1,1 @@
+//! Manual backward through the transformer for LoRA parameters (being written).
