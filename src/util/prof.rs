@@ -1,7 +1,7 @@
 //! Opt-in wall-clock accounting per op (`INFOMEM_PROFILE=1`): each forward op adds its time to
 //! a named counter and the totals are printed to stderr by `report()`. Off, it costs one
 //! relaxed atomic load per op.
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
