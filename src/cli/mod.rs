@@ -1,5 +1,6 @@
 //! Subcommand implementations (argument structs + glue to the library).
 pub mod bench;
+pub mod reward;
 pub mod run;
 
 use anyhow::{bail, Result};

@@ -1,1 +1,50 @@
-//! (being written)
+//! Rewards: the outcome reward (answer extraction, normalization, em / sub_em / f1), the memory
+//! gain of Eq. 6, and the InfoMem combination with its ablations — all behind `combine`.
+pub mod combine;
+pub mod outcome;
+
+pub use combine::{combine, zscores, RewardMode, Signal};
+pub use outcome::{extract_answer, normalize, Matcher};
+
+/// Mean of per-token log-probabilities (the `L(M)` of Eq. 6).
+pub fn mean_logprob(lps: &[f32]) -> f64 {
+    if lps.is_empty() {
+        return f64::NAN;
+    }
+    lps.iter().map(|&x| x as f64).sum::<f64>() / lps.len() as f64
+}
+
+/// One line of `reward --groups`: a group's outcomes and memory signals.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct GroupLine {
+    pub outcomes: Vec<f64>,
+    pub gains: Vec<f64>,
+}
+
+/// Parse and check a `reward --groups` JSONL text; errors name the 1-based line.
+pub fn parse_groups(text: &str, file: &str) -> anyhow::Result<Vec<GroupLine>> {
+    use anyhow::bail;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let ln = i + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let g: GroupLine = serde_json::from_str(line)
+            .map_err(|e| anyhow::anyhow!("{file}:{ln}: expected {{\"outcomes\": [...], \"gains\": [...]}}: {e}"))?;
+        if g.outcomes.len() != g.gains.len() {
+            bail!("{file}:{ln}: {} outcomes but {} gains", g.outcomes.len(), g.gains.len());
+        }
+        if g.outcomes.is_empty() {
+            bail!("{file}:{ln}: empty group");
+        }
+        if let Some(x) = g.outcomes.iter().find(|&&x| x != 0.0 && x != 1.0) {
+            bail!("{file}:{ln}: outcome {x} is not 0 or 1");
+        }
+        if let Some(x) = g.gains.iter().find(|x| !x.is_finite()) {
+            bail!("{file}:{ln}: gain {x} is not a finite number");
+        }
+        out.push(g);
+    }
+    Ok(out)
+}

@@ -1,0 +1,28 @@
+//! `reward`: recombine dumped groups under any reward mode (scriptable, one JSON line per group).
+use anyhow::{Context, Result};
+use clap::Args;
+use infomem_engine::reward::{self, RewardMode};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct RewardArgs {
+    /// JSONL, one group per line: {"outcomes": [0/1...], "gains": [...]}.
+    #[arg(long)]
+    pub groups: PathBuf,
+    #[arg(long, value_enum, default_value_t = RewardMode::Infomem)]
+    pub mode: RewardMode,
+    /// Weight of the memory signal.
+    #[arg(long, default_value_t = 0.5)]
+    pub beta: f64,
+}
+
+pub fn reward(a: RewardArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.groups).with_context(|| format!("cannot read {}", a.groups.display()))?;
+    let groups = reward::parse_groups(&text, &a.groups.display().to_string())?;
+    anyhow::ensure!(a.beta.is_finite(), "--beta must be a finite number");
+    for g in groups {
+        let r = reward::combine(a.mode, &g.outcomes, &g.gains, a.beta);
+        println!("{}", serde_json::json!({ "final_rewards": r }));
+    }
+    Ok(())
+}

@@ -1,0 +1,130 @@
+//! Turning a group's outcomes and memory signals into final rewards — every reward mode behind
+//! one function, so ablations are one flag apart (DESIGN.md §1, Algorithm 1).
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum RewardMode {
+    /// Plain GRPO: `R_i = R_outcome,i`.
+    Outcome,
+    /// InfoMem: answer-conditioned gain, z-normalized over the successes only, added to them.
+    Infomem,
+    /// Gain on every rollout, z-normalized over the whole group, added to every rollout.
+    InfomemAll,
+    /// Success-only, raw gain added (normalized only afterwards, by GRPO's group advantage).
+    InfomemRaw,
+    /// InfoMem with the question as the teacher-forced target instead of the gold answer.
+    InfomemQuery,
+    /// ReMemR1-style baseline: per memory turn, the gain in gold-word recall of the memory.
+    Lexical,
+}
+
+impl RewardMode {
+    /// Which memory signal the mode consumes.
+    pub fn signal(self) -> Signal {
+        match self {
+            RewardMode::Outcome => Signal::None,
+            RewardMode::Infomem | RewardMode::InfomemAll | RewardMode::InfomemRaw => Signal::AnswerGain,
+            RewardMode::InfomemQuery => Signal::QueryGain,
+            RewardMode::Lexical => Signal::LexicalGain,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            RewardMode::Outcome => "outcome",
+            RewardMode::Infomem => "infomem",
+            RewardMode::InfomemAll => "infomem-all",
+            RewardMode::InfomemRaw => "infomem-raw",
+            RewardMode::InfomemQuery => "infomem-query",
+            RewardMode::Lexical => "lexical",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    None,
+    /// `mean log p(y* | M_K) − mean log p(y* | ∅)` (Eq. 6)
+    AnswerGain,
+    /// `mean log p(x | M_K) − mean log p(x | ∅)`
+    QueryGain,
+    /// `Σ_t [recall(M_t) − recall(M_{t−1})]` of the gold answer's words
+    LexicalGain,
+}
+
+/// Below this the successes' gains count as all equal: every z is 0.
+pub const SIGMA_EPS: f64 = 1e-8;
+
+/// z-scores of `xs` with the population standard deviation; all 0 when σ < 1e-8.
+pub fn zscores(xs: &[f64]) -> Vec<f64> {
+    if xs.is_empty() {
+        return vec![];
+    }
+    let n = xs.len() as f64;
+    let mu = xs.iter().sum::<f64>() / n;
+    let sigma = (xs.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / n).sqrt();
+    if sigma < SIGMA_EPS {
+        return vec![0.0; xs.len()];
+    }
+    xs.iter().map(|x| (x - mu) / sigma).collect()
+}
+
+/// Final rewards of one group. `outcomes` are 0/1; `signal[i]` is the mode's memory signal of
+/// rollout i (ignored by `outcome`).
+pub fn combine(mode: RewardMode, outcomes: &[f64], signal: &[f64], beta: f64) -> Vec<f64> {
+    assert_eq!(outcomes.len(), signal.len(), "one signal per rollout");
+    match mode {
+        RewardMode::Outcome => outcomes.to_vec(),
+        RewardMode::Infomem | RewardMode::InfomemQuery => {
+            // Algorithm 1: S = successes; |S| = 0 → outcome; |S| = 1 → 1 + β·r (raw);
+            // |S| ≥ 2 → 1 + β·z over S. Failures keep R_outcome.
+            let succ: Vec<usize> = (0..outcomes.len()).filter(|&i| outcomes[i] == 1.0).collect();
+            let mut r = outcomes.to_vec();
+            match succ.len() {
+                0 => {}
+                1 => r[succ[0]] = 1.0 + beta * signal[succ[0]],
+                _ => {
+                    let z = zscores(&succ.iter().map(|&i| signal[i]).collect::<Vec<_>>());
+                    for (&i, z) in succ.iter().zip(z) {
+                        r[i] = 1.0 + beta * z;
+                    }
+                }
+            }
+            r
+        }
+        RewardMode::InfomemAll => {
+            let z = zscores(signal);
+            outcomes.iter().zip(z).map(|(o, z)| o + beta * z).collect()
+        }
+        RewardMode::InfomemRaw => outcomes
+            .iter()
+            .zip(signal)
+            .map(|(&o, &g)| if o == 1.0 { 1.0 + beta * g } else { o })
+            .collect(),
+        RewardMode::Lexical => outcomes.iter().zip(signal).map(|(o, g)| o + beta * g).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_on_a_small_group() {
+        let o = [1.0, 0.0, 1.0, 1.0];
+        let g = [0.5, 9.0, 1.5, 1.0];
+        assert_eq!(combine(RewardMode::Outcome, &o, &g, 0.5), o.to_vec());
+        // successes' gains 0.5, 1.5, 1.0 → z = -1.2247, 1.2247, 0
+        let r = combine(RewardMode::Infomem, &o, &g, 0.5);
+        let z = 1.5f64.sqrt();
+        assert!((r[0] - (1.0 - 0.5 * z)).abs() < 1e-12 && r[1] == 0.0 && (r[2] - (1.0 + 0.5 * z)).abs() < 1e-12 && r[3] == 1.0);
+        let raw = combine(RewardMode::InfomemRaw, &o, &g, 0.5);
+        assert_eq!(raw, vec![1.25, 0.0, 1.75, 1.5]);
+        let all = combine(RewardMode::InfomemAll, &o, &g, 0.5);
+        assert!(all[1] > 0.5, "the failure with the largest gain gets a bonus in infomem-all");
+        // one success: raw gain
+        assert_eq!(combine(RewardMode::Infomem, &[0.0, 1.0], &[3.0, -0.4], 0.5), vec![0.0, 0.8]);
+        // equal gains: z = 0
+        assert_eq!(combine(RewardMode::Infomem, &[1.0, 1.0], &[0.7, 0.7], 0.5), vec![1.0, 1.0]);
+    }
+}
