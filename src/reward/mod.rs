@@ -48,3 +48,28 @@ pub fn parse_groups(text: &str, file: &str) -> anyhow::Result<Vec<GroupLine>> {
     }
     Ok(out)
 }
+
+/// Set `reward` on every trajectory of one group (the `n` rollouts of a query) under `mode`.
+/// Errors when the mode's signal was not scored during the rollout.
+pub fn assign(group: &mut [crate::agent::Trajectory], mode: RewardMode, beta: f64) -> anyhow::Result<()> {
+    let outcomes: Vec<f64> = group.iter().map(|t| t.outcome).collect();
+    let signal: Vec<f64> = match mode.signal() {
+        Signal::None => vec![0.0; group.len()],
+        Signal::AnswerGain => group
+            .iter()
+            .map(|t| t.gain.ok_or_else(|| anyhow::anyhow!("reward {}: the answer gain was not scored", mode.name())))
+            .collect::<anyhow::Result<_>>()?,
+        Signal::QueryGain => group
+            .iter()
+            .map(|t| t.query_gain.ok_or_else(|| anyhow::anyhow!("reward {}: the query gain was not scored", mode.name())))
+            .collect::<anyhow::Result<_>>()?,
+        Signal::LexicalGain => group.iter().map(|t| t.lexical_gain()).collect(),
+    };
+    if let Some(x) = signal.iter().find(|x| !x.is_finite()) {
+        anyhow::bail!("reward {}: non-finite memory signal {x}", mode.name());
+    }
+    for (t, r) in group.iter_mut().zip(combine(mode, &outcomes, &signal, beta)) {
+        t.reward = Some(r);
+    }
+    Ok(())
+}

@@ -10,7 +10,7 @@ use crate::backend::{Backend, SampleParams};
 use crate::util::rng::Rng;
 use anyhow::{bail, Result};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Finish {
     /// An end-of-sequence id was generated (it is included in `new_ids`).
@@ -44,6 +44,8 @@ pub struct GenOutput {
     /// Length of the sequence when generation began (prefix + prompt).
     pub prompt_len: usize,
     pub seq: Option<Seq>,
+    /// The request's sampler after generation (to continue its stream).
+    pub rng: Rng,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -182,6 +184,7 @@ pub fn generate<B: Backend>(
                 finish: l.finish.unwrap_or(Finish::Length),
                 prompt_len: l.prompt_len,
                 seq: if keep { Some(l.req.seq) } else { None },
+                rng: l.req.rng,
             }
         })
         .collect())
@@ -196,6 +199,49 @@ fn hits_stop<B: Backend>(model: &Model<B>, out: &[u32], stops: &[String]) -> boo
         Ok(text) => stops.iter().any(|s| text.contains(s.as_str())),
         Err(_) => false,
     }
+}
+
+/// Read `tokens` into each sequence (no outputs): e.g. a shared prefix before it is forked.
+pub fn prefill<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, items: Vec<(Seq, Vec<u32>)>, opts: SchedOptions) -> Result<Vec<Seq>> {
+    let (mut seqs, feeds): (Vec<Seq>, Vec<Vec<u32>>) = items.into_iter().unzip();
+    let mut cursor = vec![0usize; seqs.len()];
+    let budget = opts.max_batch_tokens.max(1);
+    let res = (|| -> Result<()> {
+        loop {
+            let mut plan = Vec::new();
+            let mut used = 0;
+            for i in 0..seqs.len() {
+                if cursor[i] < feeds[i].len() && used < budget {
+                    let take = (feeds[i].len() - cursor[i]).min(budget - used);
+                    plan.push((i, cursor[i], cursor[i] + take));
+                    used += take;
+                }
+            }
+            if plan.is_empty() {
+                return Ok(());
+            }
+            let mut taken: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut seqs[i])).collect();
+            let mut entries: Vec<Entry> = plan
+                .iter()
+                .zip(taken.iter_mut())
+                .map(|(&(i, a, b), seq)| Entry { seq, tokens: &feeds[i][a..b], want: Want::Nothing })
+                .collect();
+            let r = model.step(kv, &mut entries);
+            drop(entries);
+            for (&(i, _, b), s) in plan.iter().zip(taken.drain(..)) {
+                seqs[i] = s;
+                cursor[i] = b;
+            }
+            r?;
+        }
+    })();
+    if let Err(e) = res {
+        for s in seqs {
+            kv.release(&model.be, s);
+        }
+        return Err(e);
+    }
+    Ok(seqs)
 }
 
 pub struct ScoreRequest {

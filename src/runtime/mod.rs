@@ -7,7 +7,7 @@ pub mod kv;
 pub mod model;
 
 pub use forward::{Entry, EntryOut, Want};
-pub use generate::{generate, score, Finish, GenOutput, GenRequest, SchedOptions, ScoreOutput, ScoreRequest};
+pub use generate::{generate, prefill, score, Finish, GenOutput, GenRequest, SchedOptions, ScoreOutput, ScoreRequest};
 pub use kv::{KvCache, Seq};
 pub use model::Model;
 

@@ -58,3 +58,59 @@ pub fn smol_dir() -> Option<PathBuf> {
     eprintln!("skipped: SmolLM2 not found at {} (run tools/fetch-smollm2.sh)", dir.display());
     None
 }
+
+/// GPT-2's byte → printable-char map (the ByteLevel alphabet of `tokenizers`).
+fn byte_level_chars() -> Vec<char> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut map = vec![' '; 256];
+    for (b, c) in bs.iter().zip(cs) {
+        map[*b as usize] = char::from_u32(c).unwrap();
+    }
+    map
+}
+
+/// A copy of a tiny fixture model with a byte-level tokenizer (ids 3..258 = bytes, 0/1/2 =
+/// <|endoftext|>, <|im_start|>, <|im_end|>) and SmolLM2's chat template, so text-level code (the
+/// agent) can run on the tiny models in milliseconds.
+pub fn tiny_with_tokenizer(arch: &str) -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path().join(format!("tiny-{arch}-tok"));
+    std::fs::create_dir_all(&d).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join(format!("tiny-{arch}")).join(f), d.join(f)).unwrap();
+    }
+    let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let mut vocab = serde_json::Map::new();
+    for (i, s) in specials.iter().enumerate() {
+        vocab.insert(s.to_string(), i.into());
+    }
+    for (b, c) in byte_level_chars().into_iter().enumerate() {
+        vocab.insert(c.to_string(), (3 + b).into());
+    }
+    let added: Vec<Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| serde_json::json!({"id": i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "", "end_of_word_suffix": "",
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []}
+    });
+    std::fs::write(d.join("tokenizer.json"), serde_json::to_string(&tok).unwrap()).unwrap();
+    std::fs::write(d.join("tokenizer_config.json"), r#"{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}"#).unwrap();
+    std::fs::copy(fixtures().join("smollm2-hf-meta/chat_template.jinja"), d.join("chat_template.jinja")).unwrap();
+    (t, d)
+}

@@ -1,0 +1,149 @@
+//! The update and final prompts of DESIGN.md §1, rendered through the model's chat template and
+//! assembled at the token level.
+//!
+//! The user turn is rendered once with placeholder markers; the rendered text is cut at the
+//! markers into literal pieces (tokenized once) and slots (question, chunk, memory). A prompt is
+//! the concatenation of the pieces' ids with the slots' ids — so a chunk is exactly the document's
+//! token slice (chunking never re-tokenizes), and every token before the first memory slot is
+//! identical across a group's rollouts: that prefix is what gets prefilled once and shared.
+use crate::model::tokenizer::{ChatMessage, TextTokenizer};
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+pub const DEFAULT_UPDATE: &str = "You are reading a long document one section at a time to answer a question. Keep a short memory of everything that helps answer it.\n\nQuestion:\n{question}\n\nNew section:\n{chunk}\n\nMemory so far:\n{memory}\n\nRewrite the memory: keep what still matters, add what this section contributes, drop the rest. Reply with the new memory only.";
+pub const DEFAULT_FINAL: &str = "Answer the question using only your memory of a long document.\n\nQuestion:\n{question}\n\nMemory:\n{memory}\n\nReply with the answer only, as a short phrase.";
+pub const DEFAULT_EMPTY_MEMORY: &str = "(empty)";
+
+/// The user-turn texts. `{question}`, `{chunk}` (update only) and `{memory}` are the slots.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Templates {
+    pub update: String,
+    #[serde(rename = "final")]
+    pub final_: String,
+    #[serde(default = "default_empty")]
+    pub empty_memory: String,
+}
+
+fn default_empty() -> String {
+    DEFAULT_EMPTY_MEMORY.to_string()
+}
+
+impl Default for Templates {
+    fn default() -> Self {
+        Templates { update: DEFAULT_UPDATE.into(), final_: DEFAULT_FINAL.into(), empty_memory: DEFAULT_EMPTY_MEMORY.into() }
+    }
+}
+
+impl Templates {
+    /// Read a TOML file with `update = "..."`, `final = "..."`, optional `empty_memory`.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read templates file {}", path.display()))?;
+        let t: Templates = toml::from_str(&text).with_context(|| format!("{}: expected TOML with `update` and `final` strings", path.display()))?;
+        t.validate().with_context(|| format!("in {}", path.display()))?;
+        Ok(t)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        for (name, text, slots) in [
+            ("update", &self.update, &["{question}", "{chunk}", "{memory}"][..]),
+            ("final", &self.final_, &["{question}", "{memory}"][..]),
+        ] {
+            for s in slots {
+                match text.matches(s).count() {
+                    1 => {}
+                    0 => bail!("the {name} template has no {s} slot"),
+                    n => bail!("the {name} template has {s} {n} times (exactly once is supported)"),
+                }
+            }
+        }
+        if self.final_.contains("{chunk}") {
+            bail!("the final template must not contain {{chunk}}");
+        }
+        if self.empty_memory.trim().is_empty() {
+            bail!("empty_memory must be a non-empty text (the model reads it as the initial memory)");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    Question,
+    Chunk,
+    Memory,
+}
+
+#[derive(Clone, Debug)]
+enum Piece {
+    Lit(Vec<u32>),
+    Slot(Slot),
+}
+
+/// A rendered, pre-tokenized prompt with slots.
+#[derive(Clone, Debug)]
+pub struct PromptPlan {
+    pieces: Vec<Piece>,
+}
+
+const MARK: char = '\u{E000}';
+
+impl PromptPlan {
+    pub fn new(tok: &TextTokenizer, user_text: &str) -> Result<Self> {
+        let marked = user_text
+            .replace("{question}", &format!("{MARK}q{MARK}"))
+            .replace("{chunk}", &format!("{MARK}c{MARK}"))
+            .replace("{memory}", &format!("{MARK}m{MARK}"));
+        let rendered = tok.render_chat(&[ChatMessage::user(&marked)], true)?;
+        let mut pieces = Vec::new();
+        for (i, part) in rendered.split(MARK).enumerate() {
+            if i % 2 == 1 {
+                pieces.push(Piece::Slot(match part {
+                    "q" => Slot::Question,
+                    "c" => Slot::Chunk,
+                    "m" => Slot::Memory,
+                    other => bail!("the chat template altered a slot marker ({other:?})"),
+                }));
+            } else if !part.is_empty() {
+                pieces.push(Piece::Lit(tok.encode(part)?));
+            }
+        }
+        Ok(PromptPlan { pieces })
+    }
+
+    /// Ids of the prompt with the slots filled, and the length of the prefix before the first
+    /// memory slot (the part shared by all rollouts of a group).
+    pub fn build(&self, question: &[u32], chunk: &[u32], memory: &[u32]) -> (Vec<u32>, usize) {
+        let mut ids = Vec::new();
+        let mut prefix = None;
+        for p in &self.pieces {
+            match p {
+                Piece::Lit(v) => ids.extend_from_slice(v),
+                Piece::Slot(Slot::Question) => ids.extend_from_slice(question),
+                Piece::Slot(Slot::Chunk) => ids.extend_from_slice(chunk),
+                Piece::Slot(Slot::Memory) => {
+                    prefix.get_or_insert(ids.len());
+                    ids.extend_from_slice(memory)
+                }
+            }
+        }
+        let n = ids.len();
+        (ids, prefix.unwrap_or(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        assert!(Templates::default().validate().is_ok());
+        let mut t = Templates::default();
+        t.update = t.update.replace("{chunk}", "");
+        assert!(t.validate().unwrap_err().to_string().contains("{chunk}"));
+        let mut t = Templates::default();
+        t.final_.push_str("{memory}");
+        assert!(t.validate().unwrap_err().to_string().contains("2 times"));
+    }
+}

@@ -1,0 +1,366 @@
+//! `rollout` and `eval`: the memory agent over a dataset.
+use super::{print_json, ModelArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use infomem_engine::agent::{self, AgentConfig, AgentQuery, RolloutStats, Templates, Trajectory};
+use infomem_engine::backend::Backend;
+use infomem_engine::data::{self, QaRecord, ReadOptions};
+use infomem_engine::eval;
+use infomem_engine::reward::{self, Matcher, RewardMode};
+use infomem_engine::runtime::{self, Model};
+use infomem_engine::util::progress;
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Options shared by every command that runs the memory agent.
+#[derive(Args, Debug, Clone)]
+pub struct AgentArgs {
+    /// Tokens per document chunk (a chunk never splits a token).
+    #[arg(long, default_value_t = 512)]
+    pub chunk_tokens: usize,
+    /// Budget of each memory rewrite (new tokens).
+    #[arg(long, default_value_t = 256)]
+    pub memory_tokens: usize,
+    /// Budget of the final answer (new tokens).
+    #[arg(long, default_value_t = 32)]
+    pub answer_tokens: usize,
+    /// TOML file with `update` / `final` templates ({question}, {chunk}, {memory}) and `empty_memory`.
+    #[arg(long)]
+    pub templates: Option<PathBuf>,
+    /// Outcome matcher used as the reward.
+    #[arg(long = "match", value_enum, default_value_t = Matcher::Em)]
+    pub matcher: Matcher,
+    /// Compute every conversation from scratch instead of sharing the section prefix (reference path).
+    #[arg(long)]
+    pub no_share: bool,
+    /// Upper bound on tokens per forward step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Queries rolled out together (bounds KV-cache memory).
+    #[arg(long, default_value_t = 16)]
+    pub batch_queries: usize,
+    /// KV-cache capacity in tokens (default: sized from --batch-queries and the budgets).
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct DataArgs {
+    /// Skip malformed records (counted and reported) instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad: bool,
+    /// Use only the first N records of each file.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct RolloutArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub agent: AgentArgs,
+    #[command(flatten)]
+    pub dargs: DataArgs,
+    /// JSONL dataset (see `data synth` / `data inspect`).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Pad each record with other records' paragraphs to about this many tokens (RULER recipe).
+    #[arg(long)]
+    pub pad_to_tokens: Option<usize>,
+    /// Rollouts per query.
+    #[arg(long, default_value_t = 8)]
+    pub group_size: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, value_enum, default_value_t = RewardMode::Infomem)]
+    pub reward: RewardMode,
+    #[arg(long, default_value_t = 0.5)]
+    pub beta: f64,
+    /// Score L(M_t) − L(∅) after every chunk.
+    #[arg(long)]
+    pub memory_curve: bool,
+    /// Output: one trajectory per line.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print the run statistics as one JSON line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub agent: AgentArgs,
+    #[command(flatten)]
+    pub dargs: DataArgs,
+    /// JSONL datasets (one or more).
+    #[arg(long, num_args = 1.., required = true)]
+    pub data: Vec<PathBuf>,
+    /// Evaluate each record padded to each of these token lengths (RULER recipe); without it,
+    /// records are grouped by their own length (`meta.target_tokens` of synthetic data).
+    #[arg(long, value_delimiter = ',')]
+    pub lengths: Vec<usize>,
+    /// Skip the per-chunk memory curve (saves one short scoring pass per chunk).
+    #[arg(long)]
+    pub no_memory_curve: bool,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory (results.json, results.md, accuracy.png, memory_curve.png, predictions.jsonl).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn to_query(r: &QaRecord) -> AgentQuery {
+    AgentQuery { id: r.id.clone(), question: r.question.clone(), context: r.context.clone(), answers: r.answers.clone() }
+}
+
+pub fn load_templates(a: &AgentArgs) -> Result<Templates> {
+    match &a.templates {
+        Some(p) => Templates::load(p),
+        None => Ok(Templates::default()),
+    }
+}
+
+pub fn read_data<B: Backend>(model: &Model<B>, path: &Path, d: &DataArgs, pad: Option<usize>, seed: u64) -> Result<Vec<QaRecord>> {
+    let opts = ReadOptions { skip_bad: d.skip_bad, pad_to_tokens: pad, tokenizer: model.tokenizer.as_ref(), seed, ..Default::default() };
+    let (mut recs, report) = data::read_records(path, opts)?;
+    if !report.skipped.is_empty() {
+        eprintln!("{}: skipped {} malformed record(s):", path.display(), report.skipped.len());
+        for (line, why) in report.skipped.iter().take(10) {
+            eprintln!("  line {line}: {why}");
+        }
+    }
+    if let Some(n) = d.limit {
+        recs.truncate(n);
+    }
+    if recs.is_empty() {
+        bail!("{}: no records to run", path.display());
+    }
+    Ok(recs)
+}
+
+/// Run the agent over `queries` in batches of `batch_queries`, with a progress bar.
+pub fn run_batches<B: Backend>(
+    model: &Model<B>,
+    queries: &[AgentQuery],
+    cfg: &AgentConfig,
+    a: &AgentArgs,
+    templates: &Templates,
+    label: &str,
+) -> Result<(Vec<Vec<Trajectory>>, RolloutStats)> {
+    let bq = a.batch_queries.max(1);
+    let tok = model.tokenizer()?;
+    let mut total_convs = 0u64;
+    for q in queries {
+        let n_tok = tok.encode(&q.context)?.len();
+        total_convs += (cfg.group_size * (n_tok.div_ceil(cfg.chunk_tokens) + 1)) as u64;
+    }
+    let pb = progress::bar(total_convs, "conversations");
+    pb.set_message(label.to_string());
+    let mut all = Vec::new();
+    let mut stats = RolloutStats::default();
+    let mut base = 0u64;
+    for (bi, batch) in queries.chunks(bq).enumerate() {
+        // KV: every live conversation of the batch plus the shared prefixes, with page slack.
+        let longest = batch.iter().map(|q| q.question.len() / 2 + 64).max().unwrap_or(64);
+        let per_conv = 400 + longest + 2 * cfg.chunk_tokens.min(8192) + cfg.memory_tokens + cfg.answer_tokens;
+        let need = a.kv_tokens.unwrap_or(batch.len() * (cfg.group_size + 3) * per_conv);
+        let mut kv = runtime::kv_for(model, need)?;
+        let mut c = cfg.clone();
+        c.seed = cfg.seed.wrapping_add((bi as u64) << 32);
+        let (trajs, st) = agent::rollout(model, &mut kv, batch, &c, templates, |done, _| pb.set_position(base + done as u64))
+            .with_context(|| format!("rollout of queries {}..{}", bi * bq, bi * bq + batch.len()))?;
+        base += st.conversations as u64;
+        pb.set_position(base);
+        merge_stats(&mut stats, &st);
+        all.extend(trajs);
+    }
+    pb.finish_and_clear();
+    Ok((all, stats))
+}
+
+fn merge_stats(acc: &mut RolloutStats, s: &RolloutStats) {
+    acc.queries += s.queries;
+    acc.trajectories += s.trajectories;
+    acc.conversations += s.conversations;
+    acc.generated_tokens += s.generated_tokens;
+    acc.prefill_tokens += s.prefill_tokens;
+    acc.prefill_tokens_naive += s.prefill_tokens_naive;
+    acc.score_tokens += s.score_tokens;
+    acc.score_tokens_naive += s.score_tokens_naive;
+    acc.update_s += s.update_s;
+    acc.final_s += s.final_s;
+    acc.score_s += s.score_s;
+    acc.total_s += s.total_s;
+}
+
+fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, seed: u64, gain: bool, query_gain: bool, curve: bool) -> AgentConfig {
+    AgentConfig {
+        chunk_tokens: a.chunk_tokens,
+        memory_tokens: a.memory_tokens,
+        answer_tokens: a.answer_tokens,
+        group_size,
+        temperature,
+        top_p,
+        matcher: a.matcher,
+        share_prefix: !a.no_share,
+        answer_gain: gain,
+        query_gain,
+        memory_curve: curve,
+        max_batch_tokens: a.max_batch_tokens,
+        seed,
+    }
+}
+
+pub fn rollout(a: RolloutArgs) -> Result<()> {
+    let model = a.model.load_cpu()?;
+    rollout_on(&model, &a)
+}
+
+fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
+    let templates = load_templates(&a.agent)?;
+    let recs = read_data(model, &a.data, &a.dargs, a.pad_to_tokens, a.seed)?;
+    let queries: Vec<AgentQuery> = recs.iter().map(to_query).collect();
+    let sig = a.reward.signal();
+    let cfg = agent_config(
+        &a.agent,
+        a.group_size,
+        a.temperature,
+        a.top_p,
+        a.seed,
+        sig == reward::Signal::AnswerGain || a.memory_curve,
+        sig == reward::Signal::QueryGain,
+        a.memory_curve,
+    );
+    let (mut groups, st) = run_batches(model, &queries, &cfg, &a.agent, &templates, "rollout")?;
+    let mut out = Vec::new();
+    for (g, rec) in groups.iter_mut().zip(&recs) {
+        reward::assign(g, a.reward, a.beta)?;
+        for t in g.iter() {
+            let mut v = serde_json::to_value(t)?;
+            v["task"] = json!(rec.task);
+            v["gold"] = json!(rec.answers);
+            v["question"] = json!(rec.question);
+            writeln!(out, "{}", serde_json::to_string(&v)?)?;
+        }
+    }
+    infomem_engine::util::fs::write_atomic(&a.out, &out)?;
+    let all: Vec<&Trajectory> = groups.iter().flatten().collect();
+    let n = all.len() as f64;
+    let success = all.iter().map(|t| t.outcome).sum::<f64>() / n;
+    let gains: Vec<f64> = all.iter().filter_map(|t| t.gain).collect();
+    let mean_gain = if gains.is_empty() { None } else { Some(gains.iter().sum::<f64>() / gains.len() as f64) };
+    let summary = json!({
+        "queries": st.queries,
+        "trajectories": st.trajectories,
+        "success_rate": success,
+        "em": all.iter().map(|t| t.em).sum::<f64>() / n,
+        "sub_em": all.iter().map(|t| t.sub_em).sum::<f64>() / n,
+        "mean_reward": all.iter().filter_map(|t| t.reward).sum::<f64>() / n,
+        "mean_gain": mean_gain,
+        "generated_tokens": st.generated_tokens,
+        "prefill_tokens": st.prefill_tokens,
+        "prefill_tokens_naive": st.prefill_tokens_naive,
+        "prefill_saving": st.prefill_saving(),
+        "score_tokens": st.score_tokens,
+        "score_tokens_naive": st.score_tokens_naive,
+        "seconds": st.total_s,
+        "update_s": st.update_s,
+        "final_s": st.final_s,
+        "score_s": st.score_s,
+        "out": a.out.display().to_string(),
+    });
+    eprintln!(
+        "{} queries × {} rollouts: success {:.1}%, mean gain {}, prefill {} tokens vs {} naive ({:.2}× saved), {:.1} s",
+        st.queries,
+        a.group_size,
+        100.0 * success,
+        mean_gain.map(|g| format!("{g:+.3}")).unwrap_or_else(|| "–".into()),
+        st.prefill_tokens,
+        st.prefill_tokens_naive,
+        st.prefill_saving(),
+        st.total_s
+    );
+    if a.memory_curve {
+        for t in all.iter().take(4) {
+            if let Some(c) = &t.memory_curve {
+                let s: Vec<String> = c.iter().map(|v| format!("{v:+.2}")).collect();
+                eprintln!("  memory curve {} #{}: [{}] answer {:?} (em {})", t.query_id, t.rollout, s.join(", "), t.answer, t.em);
+            }
+        }
+    }
+    if a.json {
+        print_json(&summary);
+    }
+    Ok(())
+}
+
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let model = a.model.load_cpu()?;
+    eval_on(&model, &a)
+}
+
+fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
+    let templates = load_templates(&a.agent)?;
+    let cfg = agent_config(&a.agent, 1, 0.0, 1.0, a.seed, true, false, !a.no_memory_curve);
+    // (task, length, record) for every evaluated question
+    let mut items: Vec<(String, usize, QaRecord)> = Vec::new();
+    for path in &a.data {
+        if a.lengths.is_empty() {
+            for r in read_data(model, path, &a.dargs, None, a.seed)? {
+                let len = r.meta.get("target_tokens").and_then(|v| v.as_u64()).map(|v| v as usize);
+                let len = match len {
+                    Some(l) => l,
+                    None => model.tokenizer()?.encode(&r.context)?.len(),
+                };
+                items.push((r.task.clone(), len, r));
+            }
+        } else {
+            for &l in &a.lengths {
+                for r in read_data(model, path, &a.dargs, Some(l), a.seed)? {
+                    items.push((r.task.clone(), l, r));
+                }
+            }
+        }
+    }
+    let queries: Vec<AgentQuery> = items.iter().map(|(_, _, r)| to_query(r)).collect();
+    let (groups, st) = run_batches(model, &queries, &cfg, &a.agent, &templates, "eval")?;
+    let evaluated: Vec<eval::Evaluated> =
+        items.iter().zip(&groups).map(|((task, len, _), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
+    let rows = eval::summarize(&evaluated);
+    std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    let mut preds = Vec::new();
+    for ((task, len, r), g) in items.iter().zip(&groups) {
+        let t = &g[0];
+        writeln!(
+            preds,
+            "{}",
+            json!({"id": r.id, "task": task, "length": len, "question": r.question, "answers": r.answers, "answer": t.answer,
+                   "raw_answer": t.raw_answer, "em": t.em, "sub_em": t.sub_em, "f1": t.f1, "gain": t.gain,
+                   "memory_curve": t.memory_curve, "memories": t.memories})
+        )?;
+    }
+    infomem_engine::util::fs::write_atomic(&a.out.join("predictions.jsonl"), &preds)?;
+    let adapter = a.model.adapter.as_ref().map(|p| p.display().to_string());
+    let title = format!("{} {}", model.dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), if adapter.is_some() { "+ adapter" } else { "(base)" });
+    let run = json!({"model": model.dir.display().to_string(), "adapter": adapter, "chunk_tokens": cfg.chunk_tokens,
+        "memory_tokens": cfg.memory_tokens, "answer_tokens": cfg.answer_tokens, "questions": items.len(), "seconds": st.total_s,
+        "generated_tokens": st.generated_tokens, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
+    eval::write_report(&a.out, &rows, &title, run.clone())?;
+    eprint!("{}", eval::markdown_table(&rows));
+    eprintln!("wrote {}/results.{{json,md}}, accuracy.png, predictions.jsonl ({:.1} s)", a.out.display(), st.total_s);
+    if a.json {
+        print_json(&json!({"rows": rows, "run": run}));
+    }
+    Ok(())
+}
