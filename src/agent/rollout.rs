@@ -12,7 +12,7 @@
 //! naive loop), which the tests use as the reference.
 use super::templates::{PromptPlan, Templates};
 use crate::backend::{Backend, SampleParams};
-use crate::reward::{self, outcome, Matcher};
+use crate::reward::{self, outcome, Extract, Matcher};
 use crate::runtime::{self, Finish, GenRequest, KvCache, Model, SchedOptions, ScoreRequest, Seq};
 use crate::util::rng::Rng;
 use anyhow::{bail, Result};
@@ -40,6 +40,8 @@ pub struct AgentConfig {
     pub top_p: f32,
     /// Outcome matcher of the reward (em by default).
     pub matcher: Matcher,
+    /// How the answer is cut out of the final reply.
+    pub extract: Extract,
     pub share_prefix: bool,
     /// Score `L(M_K) − L(∅)` (Eq. 6) with the gold answer.
     pub answer_gain: bool,
@@ -61,6 +63,7 @@ impl Default for AgentConfig {
             temperature: 0.0,
             top_p: 1.0,
             matcher: Matcher::Em,
+            extract: Extract::Line,
             share_prefix: true,
             answer_gain: true,
             query_gain: false,
@@ -396,7 +399,7 @@ pub fn rollout<B: Backend>(
                 let golds = &queries[q].answers;
                 if is_final {
                     s.traj.raw_answer = text.clone();
-                    s.traj.answer = outcome::extract_answer(&text);
+                    s.traj.answer = outcome::extract(cfg.extract, &text);
                     s.traj.em = outcome::em(&s.traj.answer, golds);
                     s.traj.sub_em = outcome::sub_em(&s.traj.answer, golds);
                     s.traj.f1 = outcome::f1(&s.traj.answer, golds);

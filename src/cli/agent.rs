@@ -6,7 +6,7 @@ use infomem_engine::agent::{self, AgentConfig, AgentQuery, RolloutStats, Templat
 use infomem_engine::backend::Backend;
 use infomem_engine::data::{self, QaRecord, ReadOptions};
 use infomem_engine::eval;
-use infomem_engine::reward::{self, Matcher, RewardMode};
+use infomem_engine::reward::{self, Extract, Matcher, RewardMode};
 use infomem_engine::runtime::{self, Model};
 use infomem_engine::util::progress;
 use serde_json::json;
@@ -31,6 +31,9 @@ pub struct AgentArgs {
     /// Outcome matcher used as the reward.
     #[arg(long = "match", value_enum, default_value_t = Matcher::Em)]
     pub matcher: Matcher,
+    /// How the answer is cut out of the final reply (first line, or its first number).
+    #[arg(long, value_enum, default_value_t = Extract::Line)]
+    pub extract: Extract,
     /// Compute every conversation from scratch instead of sharing the section prefix (reference path).
     #[arg(long)]
     pub no_share: bool,
@@ -213,6 +216,7 @@ fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, 
         temperature,
         top_p,
         matcher: a.matcher,
+        extract: a.extract,
         share_prefix: !a.no_share,
         answer_gain: gain,
         query_gain,

@@ -1,11 +1,15 @@
 //! Subcommand implementations (argument structs + glue to the library).
+pub mod agent;
 pub mod bench;
+pub mod data;
 pub mod reward;
 pub mod run;
+pub mod train;
 
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::backend::Backend;
 use infomem_engine::runtime::Model;
 use std::path::PathBuf;
 
@@ -29,16 +33,51 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// Load the model (and adapter) on the CPU; `--backend cuda` is refused here (commands that
+    /// can run on either backend use `with_model!`).
     pub fn load_cpu(&self) -> Result<Model<CpuBackend>> {
         if self.backend != BackendKind::Cpu {
-            bail!("--backend cuda: this binary was built without CUDA support (rebuild with `cargo build --release --features cuda`)");
+            bail!("--backend cuda is not supported by this command yet (it runs on the CPU backend only)");
         }
-        let mut m = Model::load(&self.model, CpuBackend::new())?;
+        self.load_on(CpuBackend::new())
+    }
+
+    /// Load the model (and adapter) on a given backend.
+    pub fn load_on<B: Backend>(&self, be: B) -> Result<Model<B>> {
+        let mut m = Model::load(&self.model, be)?;
         if let Some(a) = &self.adapter {
             m.load_adapter(a)?;
         }
         Ok(m)
     }
+}
+
+/// `with_model!(args, |model| body)`: load the model on the backend chosen by `--backend` and
+/// evaluate `body` with `model: Model<B>` for that backend (generic dispatch: `body` is compiled
+/// once per backend). `--backend cuda` in a build without the `cuda` feature is a clear error.
+#[macro_export]
+macro_rules! with_model {
+    ($args:expr, |$m:ident| $body:expr) => {
+        match $args.backend {
+            $crate::cli::BackendKind::Cpu => {
+                let $m = $args.load_on(infomem_engine::backend::cpu::CpuBackend::new())?;
+                $body
+            }
+            $crate::cli::BackendKind::Cuda => {
+                #[cfg(feature = "cuda")]
+                {
+                    let $m = $args.load_on(infomem_engine::backend::cuda::CudaBackend::new(0)?)?;
+                    $body
+                }
+                #[cfg(not(feature = "cuda"))]
+                {
+                    anyhow::bail!(
+                        "--backend cuda: this binary was built without CUDA support (rebuild with `cargo build --release --features cuda`)"
+                    )
+                }
+            }
+        }
+    };
 }
 
 /// Print a value as one JSON line.

@@ -96,8 +96,7 @@ fn check_len<B: Backend>(m: &Model<B>, what: &str, ids: &[u32], extra: usize) ->
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let model = a.model.load_cpu()?;
-    generate_on(&model, &a)
+    crate::with_model!(a.model, |model| generate_on(&model, &a))
 }
 
 fn generate_on<B: Backend>(model: &Model<B>, a: &GenerateArgs) -> Result<()> {
@@ -166,8 +165,7 @@ fn generate_on<B: Backend>(model: &Model<B>, a: &GenerateArgs) -> Result<()> {
 }
 
 pub fn score(a: ScoreArgs) -> Result<()> {
-    let model = a.model.load_cpu()?;
-    score_on(&model, &a)
+    crate::with_model!(a.model, |model| score_on(&model, &a))
 }
 
 fn score_on<B: Backend>(model: &Model<B>, a: &ScoreArgs) -> Result<()> {

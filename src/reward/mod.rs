@@ -4,7 +4,7 @@ pub mod combine;
 pub mod outcome;
 
 pub use combine::{combine, zscores, RewardMode, Signal};
-pub use outcome::{extract_answer, normalize, Matcher};
+pub use outcome::{extract, extract_answer, normalize, Extract, Matcher};
 
 /// Mean of per-token log-probabilities (the `L(M)` of Eq. 6).
 pub fn mean_logprob(lps: &[f32]) -> f64 {

@@ -14,9 +14,35 @@ pub enum Matcher {
     F1,
 }
 
+/// How the answer is cut out of the generated reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Extract {
+    /// Trimmed, up to the first newline (DESIGN.md §1).
+    Line,
+    /// The first run of digits in the first line (for tasks whose answers are numbers/codes: a
+    /// sentence around the number is accepted, listing several candidates is not — only the
+    /// first counts).
+    FirstNumber,
+}
+
 /// The answer part of a generated reply: trimmed, up to the first newline.
 pub fn extract_answer(raw: &str) -> String {
     raw.trim().split('\n').next().unwrap_or("").trim().to_string()
+}
+
+pub fn extract(e: Extract, raw: &str) -> String {
+    let line = extract_answer(raw);
+    match e {
+        Extract::Line => line,
+        Extract::FirstNumber => {
+            let start = line.find(|c: char| c.is_ascii_digit());
+            match start {
+                Some(i) => line[i..].chars().take_while(|c| c.is_ascii_digit()).collect(),
+                None => String::new(),
+            }
+        }
+    }
 }
 
 pub fn normalize(s: &str) -> String {
@@ -116,6 +142,8 @@ mod tests {
     #[test]
     fn extraction_and_normalization() {
         assert_eq!(extract_answer("  The Eiffel Tower.\nIt is in Paris."), "The Eiffel Tower.");
+        assert_eq!(extract(Extract::FirstNumber, "The passcode of Bob is 99120. Alice: 48213"), "99120");
+        assert_eq!(extract(Extract::FirstNumber, "none here\n12345"), "");
         assert_eq!(normalize("The  Eiffel-Tower, a TOWER!"), "eiffeltower tower");
         assert_eq!(normalize("an apple and the pear"), "apple and pear");
     }

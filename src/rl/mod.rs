@@ -1,1 +1,5 @@
-//! (being written)
+//! Reinforcement learning on the memory agent: GRPO (group advantages, the multi-conversation
+//! broadcast, the clipped token loss with the KL to the LoRA-off reference, its gradient through
+//! `runtime::backward`) and the AdamW optimizer on the adapter.
+pub mod grpo;
+pub mod optim;

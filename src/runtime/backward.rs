@@ -1,1 +1,481 @@
-//! Manual backward through the transformer for LoRA parameters (being written).
+//! Manual backward through the transformer for the LoRA parameters (llm.c style: every layer's
+//! forward and backward written out as plain steps over `TrainBackend` ops).
+//!
+//! A training batch is a list of (prompt, response) pairs processed as **one dense batch**: the
+//! sequences `prompt ++ response[..len-1]` are concatenated along the rows, positions restart at 0
+//! for each, attention is causal within each sequence, and there is no KV cache. Row
+//! `prompt.len() - 1 + t` of a sequence predicts `response[t]`; the last response token is never
+//! fed (nothing is scored after it).
+//!
+//! Memory: the forward keeps only each layer's input residual `[rows, hidden]`. The backward
+//! walks the layers top-down and first **recomputes** the layer's intermediates from that residual
+//! (norms, projections with LoRA, RoPE, attention with its log-sum-exp, SwiGLU; not the down
+//! projection, whose output the backward does not need), then back-propagates through it. Base
+//! weights, norms and embeddings are frozen: only input gradients flow through them, and only the
+//! LoRA A/B of every targeted projection get gradient buffers. Cost: about three forward passes
+//! of GEMMs (forward, recompute, input gradients) plus ~2.5× the attention for its backward.
+//!
+//! LoRA inside the passes: each layer's LoRA pairs are folded into scratch copies of its frozen
+//! weights, `W' = W + scale·B A` (one small GEMM per pair and layer, redone in the forward and in
+//! the backward), so every projection is one large GEMM and its input gradient is `dy·W'`. The
+//! pairs' own gradients come from `TrainBackend::lora_bwd` on the layer's saved inputs:
+//! `dB = scale·dyᵀ(x Aᵀ)`, `dA = scale·(dy B)ᵀ x`.
+//!
+//! The loss is supplied by the caller as a function of the response tokens' log-probabilities
+//! (and entropies) returning `∂loss/∂logp` per token (`rl::grpo` builds the GRPO one on this).
+use super::model::Model;
+use crate::backend::train::{DenseSeq, TrainBackend};
+use crate::backend::Backend;
+use crate::model::lora::{Proj, ALL_PROJS};
+use crate::model::weights::HostTensor;
+use crate::util::prof;
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+
+/// One (prompt, response) pair: the response tokens are scored given the prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct TrainSeq<'a> {
+    pub prompt: &'a [u32],
+    pub response: &'a [u32],
+}
+
+/// Which policy a forward runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// The model with its LoRA adapter (when one is attached and enabled).
+    Current,
+    /// The base model, LoRA switched off (GRPO's reference policy).
+    Reference,
+}
+
+/// Row layout of a dense batch.
+#[derive(Clone, Debug, Default)]
+pub struct DenseBatch {
+    pub ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub seqs: Vec<DenseSeq>,
+    /// Rows whose output predicts a response token, sequence by sequence.
+    pub loss_rows: Vec<u32>,
+    /// The token each of `loss_rows` predicts.
+    pub targets: Vec<u32>,
+    /// `loss_rows[token_offsets[i]..token_offsets[i + 1]]` belong to input sequence `i`.
+    pub token_offsets: Vec<usize>,
+}
+
+impl DenseBatch {
+    /// Lay out `seqs`; ids are checked against `vocab`. A sequence with an empty response adds no
+    /// rows; one with a response needs a non-empty prompt.
+    pub fn new(vocab: usize, seqs: &[TrainSeq]) -> Result<Self> {
+        let mut b = DenseBatch { token_offsets: vec![0], ..Default::default() };
+        for (i, s) in seqs.iter().enumerate() {
+            for (field, ids) in [("prompt", s.prompt), ("response", s.response)] {
+                if let Some(j) = ids.iter().position(|&t| t as usize >= vocab) {
+                    bail!("sequence {i}: {field}[{j}] = {} is outside the vocabulary (size {vocab})", ids[j]);
+                }
+            }
+            if !s.response.is_empty() {
+                if s.prompt.is_empty() {
+                    bail!("sequence {i}: empty prompt (the first response token needs a context to be predicted from)");
+                }
+                let row0 = b.ids.len();
+                let len = s.prompt.len() + s.response.len() - 1;
+                b.ids.extend_from_slice(s.prompt);
+                b.ids.extend_from_slice(&s.response[..s.response.len() - 1]);
+                b.positions.extend(0..len as u32);
+                b.seqs.push(DenseSeq { row0, len });
+                for (t, &tok) in s.response.iter().enumerate() {
+                    b.loss_rows.push((row0 + s.prompt.len() - 1 + t) as u32);
+                    b.targets.push(tok);
+                }
+            }
+            b.token_offsets.push(b.loss_rows.len());
+        }
+        Ok(b)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Cut a flat per-token vector into per-sequence vectors.
+    pub fn split(&self, flat: &[f32]) -> Vec<Vec<f32>> {
+        self.token_offsets.windows(2).map(|w| flat[w[0]..w[1]].to_vec()).collect()
+    }
+}
+
+/// `(dA, dB)` of each projection of one layer, indexed by `Proj::index`.
+pub type LayerGrads<B> = [Option<(<B as Backend>::Buf, <B as Backend>::Buf)>; 7];
+
+/// Gradients of the loss w.r.t. every LoRA pair: `layers[l][proj.index()] = (dA [r, in], dB [out, r])`.
+pub struct LoraGrads<B: Backend> {
+    pub layers: Vec<LayerGrads<B>>,
+}
+
+impl<B: TrainBackend> LoraGrads<B> {
+    /// Zero gradients shaped like the model's adapter.
+    pub fn zeros(model: &Model<B>) -> Result<Self> {
+        let lora = model.lora.as_ref().context("the model has no LoRA adapter: nothing to train")?;
+        let mut layers = Vec::with_capacity(lora.layers.len());
+        for row in &lora.host.layers {
+            let mut g: LayerGrads<B> = Default::default();
+            for p in ALL_PROJS {
+                if let Some(pair) = &row[p.index()] {
+                    g[p.index()] = Some((model.be.zeros(pair.a.data.len())?, model.be.zeros(pair.b.data.len())?));
+                }
+            }
+            layers.push(g);
+        }
+        Ok(LoraGrads { layers })
+    }
+
+    /// `self += other` (gradient accumulation over micro-batches).
+    pub fn add(&mut self, be: &B, other: &Self) -> Result<()> {
+        for (a, b) in self.layers.iter_mut().zip(&other.layers) {
+            for (x, y) in a.iter_mut().zip(b) {
+                if let (Some((xa, xb)), Some((ya, yb))) = (x, y) {
+                    be.accumulate(xa, ya)?;
+                    be.accumulate(xb, yb)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Σ of squared entries over all tensors (the squared global gradient norm).
+    pub fn sum_squares(&self, be: &B) -> Result<f64> {
+        let mut s = 0.0;
+        for (a, b) in self.layers.iter().flatten().flatten() {
+            s += be.sum_squares(a)? + be.sum_squares(b)?;
+        }
+        Ok(s)
+    }
+
+    pub fn scale(&mut self, be: &B, f: f32) -> Result<()> {
+        for (a, b) in self.layers.iter_mut().flatten().flatten() {
+            be.scale(a, f)?;
+            be.scale(b, f)?;
+        }
+        Ok(())
+    }
+
+    /// Host copies under PEFT's key names (`base_model.model.model.layers.{l}.…lora_A.weight`,
+    /// no `.default`), shaped like the adapter's tensors.
+    pub fn to_peft(&self, model: &Model<B>) -> Result<BTreeMap<String, HostTensor>> {
+        let lora = model.lora.as_ref().context("the model has no LoRA adapter")?;
+        let mut m = BTreeMap::new();
+        for (l, (row, host)) in self.layers.iter().zip(&lora.host.layers).enumerate() {
+            for p in ALL_PROJS {
+                if let (Some((ga, gb)), Some(pair)) = (&row[p.index()], &host[p.index()]) {
+                    m.insert(p.peft_key(l, 'A'), HostTensor::new(pair.a.shape.clone(), model.be.download(ga)?));
+                    m.insert(p.peft_key(l, 'B'), HostTensor::new(pair.b.shape.clone(), model.be.download(gb)?));
+                }
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// Per-token outputs of the policy on the response tokens, one vector per input sequence.
+#[derive(Clone, Debug, Default)]
+pub struct TokenScores {
+    pub logprobs: Vec<Vec<f32>>,
+    pub entropy: Vec<Vec<f32>>,
+}
+
+/// A layer's intermediates over the dense batch (reused across layers).
+struct Acts<B: Backend> {
+    h1: B::Buf,
+    qkv: B::Buf,
+    att: B::Buf,
+    lse: B::Buf,
+    o: B::Buf,
+    h2: B::Buf,
+    gu: B::Buf,
+    act: B::Buf,
+}
+
+impl<B: TrainBackend> Acts<B> {
+    fn new(model: &Model<B>, n: usize) -> Result<Self> {
+        let c = &model.cfg;
+        let be = &model.be;
+        Ok(Acts {
+            h1: be.zeros(n * c.hidden)?,
+            qkv: be.zeros(n * (c.q_dim() + 2 * c.kv_dim()))?,
+            att: be.zeros(n * c.q_dim())?,
+            lse: be.zeros(n * c.n_heads)?,
+            o: be.zeros(n * c.hidden)?,
+            h2: be.zeros(n * c.hidden)?,
+            gu: be.zeros(n * 2 * c.intermediate)?,
+            act: be.zeros(n * c.intermediate)?,
+        })
+    }
+}
+
+/// One layer's frozen weights as a pass uses them: the base tensors, or scratch copies with the
+/// policy's LoRA pairs folded in (`W + scale·B A`, see `TrainBackend::lora_merge`).
+struct LayerW<'a, B: Backend> {
+    attn_norm: &'a B::Buf,
+    qkv: &'a B::Buf,
+    qkv_bias: Option<&'a B::Buf>,
+    o: &'a B::Buf,
+    mlp_norm: &'a B::Buf,
+    gate_up: &'a B::Buf,
+    down: &'a B::Buf,
+}
+
+/// Scratch for the merged weights of one layer (allocated on first use).
+struct Merged<B: Backend> {
+    bufs: Option<[B::Buf; 4]>,
+}
+
+impl<B: TrainBackend> Merged<B> {
+    fn new() -> Self {
+        Merged { bufs: None }
+    }
+
+    /// The weights of layer `l` under `policy`, merging its LoRA pairs into scratch copies.
+    fn layer<'a>(&'a mut self, model: &'a Model<B>, policy: Policy, l: usize) -> Result<LayerW<'a, B>> {
+        let be = &model.be;
+        let c = &model.cfg;
+        let w = &model.layers[l];
+        let (q_dim, kv_dim, inter) = (c.q_dim(), c.kv_dim(), c.intermediate);
+        let pair = |p: Proj| match policy {
+            Policy::Current => model.lora_pair(l, p),
+            Policy::Reference => None,
+        };
+        // (matrix index, base, [(proj, first row)])
+        type Group<'g, Buf> = (usize, &'g Buf, &'g [(Proj, usize)]);
+        let groups: [Group<B::Buf>; 4] = [
+            (0, &w.qkv, &[(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)]),
+            (1, &w.o, &[(Proj::O, 0)]),
+            (2, &w.gate_up, &[(Proj::Gate, 0), (Proj::Up, inter)]),
+            (3, &w.down, &[(Proj::Down, 0)]),
+        ];
+        let mut merged = [false; 4];
+        for (i, base, projs) in groups {
+            if projs.iter().all(|&(p, _)| pair(p).is_none()) {
+                continue;
+            }
+            if self.bufs.is_none() {
+                self.bufs = Some([be.zeros(be.len(&w.qkv))?, be.zeros(be.len(&w.o))?, be.zeros(be.len(&w.gate_up))?, be.zeros(be.len(&w.down))?]);
+            }
+            let dst = &mut self.bufs.as_mut().unwrap()[i];
+            be.copy(base, dst)?;
+            for &(p, row0) in projs {
+                if let Some((a, b, scale, r)) = pair(p) {
+                    let (din, dout) = p.dims(c);
+                    be.lora_merge(dst, row0, a, b, scale, din, r, dout)?;
+                }
+            }
+            merged[i] = true;
+        }
+        let pick = |i: usize, base: &'a B::Buf| -> &'a B::Buf {
+            match &self.bufs {
+                Some(b) if merged[i] => &b[i],
+                _ => base,
+            }
+        };
+        Ok(LayerW {
+            attn_norm: &w.attn_norm,
+            qkv: pick(0, &w.qkv),
+            qkv_bias: w.qkv_bias.as_ref(),
+            o: pick(1, &w.o),
+            mlp_norm: &w.mlp_norm,
+            gate_up: pick(2, &w.gate_up),
+            down: pick(3, &w.down),
+        })
+    }
+}
+
+/// One decoder layer forward over the dense batch with weights `w`. `x` is the layer input; on
+/// return it is the layer output (`full`) or the residual after attention, `x + o` (`!full`: the
+/// recompute of the backward, which needs no down projection). `a` receives every intermediate.
+fn layer_fwd<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &DenseBatch, x: &mut B::Buf, a: &mut Acts<B>, full: bool) -> Result<()> {
+    let be = &model.be;
+    let c = &model.cfg;
+    let g = model.geom();
+    let n = batch.rows();
+    let (d, inter, q_dim, kv_dim) = (c.hidden, c.intermediate, c.q_dim(), c.kv_dim());
+    let qkv_dim = q_dim + 2 * kv_dim;
+    // attention block
+    be.rmsnorm(x, w.attn_norm, c.rms_eps, n, d, &mut a.h1)?;
+    prof::time("train_matmul", || be.matmul(&a.h1, w.qkv, w.qkv_bias, n, d, qkv_dim, &mut a.qkv))?;
+    be.rope(&mut a.qkv, &batch.positions, &model.inv_freq, g)?;
+    prof::time("train_attn", || be.attn_dense(&a.qkv, &batch.seqs, g, &mut a.att, &mut a.lse))?;
+    prof::time("train_matmul", || be.matmul(&a.att, w.o, None, n, q_dim, d, &mut a.o))?;
+    // x ← x + o; h2 = rmsnorm(x)
+    be.add_rmsnorm(x, &a.o, w.mlp_norm, c.rms_eps, n, d, &mut a.h2)?;
+    // MLP block
+    prof::time("train_matmul", || be.matmul(&a.h2, w.gate_up, None, n, d, 2 * inter, &mut a.gu))?;
+    be.swiglu(&a.gu, n, inter, &mut a.act)?;
+    if full {
+        prof::time("train_matmul", || be.matmul(&a.act, w.down, None, n, inter, d, &mut a.o))?;
+        be.add(x, &a.o, n * d)?;
+    }
+    Ok(())
+}
+
+/// The final norm of the loss rows: returns (selected residual rows, normed rows).
+fn final_rows<B: TrainBackend>(model: &Model<B>, x: &B::Buf, rows: &[u32]) -> Result<(B::Buf, B::Buf)> {
+    let be = &model.be;
+    let d = model.cfg.hidden;
+    let m = rows.len();
+    let mut sel = be.zeros(m * d)?;
+    let mut hn = be.zeros(m * d)?;
+    be.gather_rows(x, rows, d, &mut sel)?;
+    be.rmsnorm(&sel, &model.final_norm, model.cfg.rms_eps, m, d, &mut hn)?;
+    Ok((sel, hn))
+}
+
+/// Log-probabilities of every response token under `policy`, without gradients (old/reference
+/// log-probs for GRPO). Same dense forward as training.
+pub fn response_logprobs<B: TrainBackend>(model: &Model<B>, seqs: &[TrainSeq], policy: Policy) -> Result<Vec<Vec<f32>>> {
+    let batch = DenseBatch::new(model.cfg.vocab, seqs)?;
+    let n = batch.rows();
+    if n == 0 {
+        return Ok(seqs.iter().map(|_| Vec::new()).collect());
+    }
+    let be = &model.be;
+    let d = model.cfg.hidden;
+    let mut x = be.zeros(n * d)?;
+    be.embed(&model.embed, &batch.ids, d, &mut x)?;
+    let mut acts = Acts::new(model, n)?;
+    let mut merged = Merged::new();
+    for l in 0..model.cfg.n_layers {
+        let w = merged.layer(model, policy, l)?;
+        layer_fwd(model, &w, &batch, &mut x, &mut acts, true)?;
+    }
+    drop(acts);
+    let (_, hn) = final_rows(model, &x, &batch.loss_rows)?;
+    let lp = prof::time("train_head", || be.logprobs(&hn, model.head(), &batch.targets, d, model.cfg.vocab))?;
+    Ok(batch.split(&lp))
+}
+
+/// Forward + backward of a loss on the response tokens' log-probabilities.
+///
+/// `loss` gets the current policy's log-probabilities and entropies of every response token and
+/// returns its statistics and `∂loss/∂logp` per token (same shape). Returns those statistics
+/// and the gradients of every LoRA A/B (fresh buffers; add them up with [`LoraGrads::add`] for
+/// gradient accumulation).
+pub fn policy_grads<B: TrainBackend, S>(
+    model: &Model<B>,
+    seqs: &[TrainSeq],
+    loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
+) -> Result<(S, LoraGrads<B>)> {
+    ensure!(model.lora.is_some() && model.lora_enabled, "the model has no enabled LoRA adapter: nothing to train");
+    let batch = DenseBatch::new(model.cfg.vocab, seqs)?;
+    let mut grads = LoraGrads::zeros(model)?;
+    let be = &model.be;
+    let c = &model.cfg;
+    let (d, inter, q_dim, kv_dim) = (c.hidden, c.intermediate, c.q_dim(), c.kv_dim());
+    let qkv_dim = q_dim + 2 * kv_dim;
+    let n = batch.rows();
+    let m = batch.loss_rows.len();
+    if m == 0 {
+        let empty = TokenScores { logprobs: batch.split(&[]), entropy: batch.split(&[]) };
+        let (stats, _) = loss(&empty)?;
+        return Ok((stats, grads));
+    }
+
+    // ---- forward, keeping each layer's input residual ----
+    let mut x = be.zeros(n * d)?;
+    be.embed(&model.embed, &batch.ids, d, &mut x)?;
+    let mut acts = Acts::new(model, n)?;
+    let mut merged = Merged::new();
+    let mut saved: Vec<B::Buf> = Vec::with_capacity(c.n_layers);
+    for l in 0..c.n_layers {
+        let mut keep = be.zeros(n * d)?;
+        be.copy(&x, &mut keep)?;
+        saved.push(keep);
+        let w = prof::time("train_merge", || merged.layer(model, Policy::Current, l))?;
+        layer_fwd(model, &w, &batch, &mut x, &mut acts, true)?;
+    }
+
+    // ---- head: log-probs, entropies and ∂logp/∂h in one tiled pass ----
+    let (sel, hn) = final_rows(model, &x, &batch.loss_rows)?;
+    let mut dh = be.zeros(m * d)?;
+    let head = prof::time("train_head", || be.head_grad(&hn, model.head(), &batch.targets, d, c.vocab, &mut dh))?;
+    if let Some(i) = head.logprobs.iter().position(|v| !v.is_finite()) {
+        bail!("log-probability of response token {i} is {} (the model produces non-finite logits)", head.logprobs[i]);
+    }
+    let scores = TokenScores { logprobs: batch.split(&head.logprobs), entropy: batch.split(&head.entropy) };
+    let (stats, dlogp) = loss(&scores)?;
+    ensure!(dlogp.len() == seqs.len(), "loss returned gradients for {} sequences, expected {}", dlogp.len(), seqs.len());
+    let mut coef = Vec::with_capacity(m);
+    for (i, (g, lp)) in dlogp.iter().zip(&scores.logprobs).enumerate() {
+        ensure!(g.len() == lp.len(), "loss returned {} gradients for sequence {i}, which has {} response tokens", g.len(), lp.len());
+        // head_grad gives g = −∂logp/∂h, so ∂loss/∂h = −(∂loss/∂logp)·g
+        coef.extend(g.iter().map(|v| -v));
+    }
+    be.scale_rows(&mut dh, &coef, d)?;
+    // final norm backward, scattered back to the rows of the batch
+    let mut dsel = be.zeros(m * d)?;
+    be.rmsnorm_bwd(&sel, &model.final_norm, &dh, c.rms_eps, m, d, &mut dsel, false)?;
+    drop((sel, hn, dh));
+    let mut dres = be.zeros(n * d)?; // ∂loss/∂(residual stream) at the current layer boundary
+    be.scatter_add_rows(&dsel, &batch.loss_rows, d, &mut dres)?;
+    drop(dsel);
+
+    // ---- backward, layer by layer, recomputing each layer from its input residual ----
+    let mut dact = be.zeros(n * inter)?;
+    let mut dgu = be.zeros(n * 2 * inter)?;
+    let mut dhid = be.zeros(n * d)?;
+    let mut datt = be.zeros(n * q_dim)?;
+    let mut dqkv = be.zeros(n * qkv_dim)?;
+    let xm = &mut x; // reused: the recomputed residual after attention
+    for l in (0..c.n_layers).rev() {
+        let w = prof::time("train_merge", || merged.layer(model, Policy::Current, l))?;
+        let xin = saved.pop().expect("one saved residual per layer");
+        be.copy(&xin, xm)?;
+        prof::time("train_recompute", || layer_fwd(model, &w, &batch, xm, &mut acts, false))?;
+        let gl = &mut grads.layers[l];
+        let a = &acts;
+
+        // MLP: out = x_mid + down(swiglu(gate_up(rmsnorm(x_mid)))); input gradients through the
+        // merged weights (LoRA included), then the LoRA pairs' own gradients
+        prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.down, n, d, inter, &mut dact, false))?;
+        lora_grad(model, l, n, Proj::Down, &a.act, &dres, 0, d, gl)?;
+        be.swiglu_bwd(&a.gu, &dact, n, inter, &mut dgu)?;
+        prof::time("train_matmul_dx", || be.matmul_dx(&dgu, w.gate_up, n, 2 * inter, d, &mut dhid, false))?;
+        lora_grad(model, l, n, Proj::Gate, &a.h2, &dgu, 0, 2 * inter, gl)?;
+        lora_grad(model, l, n, Proj::Up, &a.h2, &dgu, inter, 2 * inter, gl)?;
+        be.rmsnorm_bwd(&*xm, w.mlp_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
+
+        // attention: x_mid = x + o(attn(rope(qkv(rmsnorm(x)))))
+        prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.o, n, d, q_dim, &mut datt, false))?;
+        lora_grad(model, l, n, Proj::O, &a.att, &dres, 0, d, gl)?;
+        prof::time("train_attn_bwd", || be.attn_dense_bwd(&a.qkv, &a.att, &datt, &a.lse, &batch.seqs, model.geom(), &mut dqkv))?;
+        be.rope_bwd(&mut dqkv, &batch.positions, &model.inv_freq, model.geom())?;
+        for (p, col0) in [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)] {
+            lora_grad(model, l, n, p, &a.h1, &dqkv, col0, qkv_dim, gl)?;
+        }
+        // The embeddings are frozen: below layer 0 no input gradient is needed.
+        if l > 0 {
+            prof::time("train_matmul_dx", || be.matmul_dx(&dqkv, w.qkv, n, qkv_dim, d, &mut dhid, false))?;
+            be.rmsnorm_bwd(&xin, w.attn_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
+        }
+    }
+    Ok((stats, grads))
+}
+
+/// Accumulate the gradients of (layer, proj)'s LoRA pair, if any, from its input `x` and the
+/// gradient `dy` of the fused output (column slice `col0..`, rows of `ld`). Its input gradient
+/// already went through the merged weight.
+#[allow(clippy::too_many_arguments)]
+fn lora_grad<B: TrainBackend>(
+    model: &Model<B>,
+    l: usize,
+    n: usize,
+    p: Proj,
+    x: &B::Buf,
+    dy: &B::Buf,
+    col0: usize,
+    ld: usize,
+    grads: &mut LayerGrads<B>,
+) -> Result<()> {
+    let (Some((a, b, scale, r)), Some((ga, gb))) = (model.lora_pair(l, p), grads[p.index()].as_mut()) else {
+        return Ok(());
+    };
+    let (din, dout) = p.dims(&model.cfg);
+    prof::time("train_lora_grad", || model.be.lora_bwd(x, a, b, scale, n, din, r, dout, dy, col0, ld, ga, gb, None))
+}

@@ -1,0 +1,488 @@
+//! Readers: JSONL question/context/answers records (ours and the common public shapes) and
+//! HotpotQA's distractor JSON, with the RULER/MemAgent padding recipe.
+//!
+//! Accepted record shapes (one JSON object per line, or the elements of a top-level array):
+//! - question: `"question"` or `"input"` (or `"query"`);
+//! - context: `"context"` as a string, or as a list of documents; or `"documents"`, a list. A
+//!   document is a string, an object with `"text"` (and optionally `"title"`), or HotpotQA's
+//!   `[title, [sentence, ...]]` (or `[title, text]`);
+//! - answers: `"answers"` or `"answer"` (or `"outputs"`), a string, a number or a list of them;
+//! - optional: `"id"`/`"_id"`, `"task"`/`"dataset"`, `"meta"` (kept as is), `"supporting_facts"`.
+//!
+//! A file whose first character is `[` is a JSON array (HotpotQA's distractor files are detected
+//! by their `supporting_facts` and list-valued contexts); anything else is JSONL. Errors name the
+//! file and the 1-based line (of the JSONL line, or where the array element starts).
+use super::{QaRecord, TokenCounter, DEFAULT_CHARS_PER_TOKEN};
+use crate::model::tokenizer::TextTokenizer;
+use crate::util::rng::Rng;
+use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+use serde_json::{json, Map, Value};
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+#[derive(Clone, Copy, Default)]
+pub struct ReadOptions<'a> {
+    /// Skip malformed records (reported in [`ReadReport::skipped`]) instead of failing.
+    pub skip_bad: bool,
+    /// Pad every record to about this many tokens with documents of other records.
+    pub pad_to_tokens: Option<usize>,
+    /// Token counting for padding; without it, [`DEFAULT_CHARS_PER_TOKEN`] characters a token.
+    pub tokenizer: Option<&'a TextTokenizer>,
+    /// Seed of the padding draw and shuffle.
+    pub seed: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReadReport {
+    /// Records read successfully.
+    pub read: usize,
+    /// (1-based line, reason) of every record skipped with `skip_bad`.
+    pub skipped: Vec<(usize, String)>,
+    /// `"jsonl"`, `"hotpotqa"` or `"json-array"`.
+    pub format: String,
+    /// Things the caller should know, e.g. records that could not be padded to the target.
+    pub warnings: Vec<String>,
+}
+
+impl ReadReport {
+    /// One line for a CLI: "read 98 records (jsonl), skipped 2: line 3: missing question; ...".
+    pub fn summary(&self, path: &Path) -> String {
+        let mut s = format!("{}: read {} records ({})", path.display(), self.read, self.format);
+        if !self.skipped.is_empty() {
+            s.push_str(&format!(", skipped {}:", self.skipped.len()));
+            for (line, why) in self.skipped.iter().take(10) {
+                s.push_str(&format!(" [line {line}: {why}]"));
+            }
+            if self.skipped.len() > 10 {
+                s.push_str(&format!(" … and {} more", self.skipped.len() - 10));
+            }
+        }
+        s
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Doc {
+    title: Option<String>,
+    text: String,
+}
+
+enum Body {
+    Text(String),
+    Docs(Vec<Doc>),
+}
+
+struct Parsed {
+    id: String,
+    question: String,
+    answers: Vec<String>,
+    task: String,
+    meta: Value,
+    body: Body,
+}
+
+fn render_docs(docs: &[&Doc]) -> String {
+    let mut out = String::new();
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            out.push_str("\n\n");
+        }
+        out.push_str(&format!("Document {}:\n", i + 1));
+        if let Some(t) = &d.title {
+            out.push_str(t);
+            out.push('\n');
+        }
+        out.push_str(&d.text);
+    }
+    out
+}
+
+fn as_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn parse_doc(v: &Value, what: &str) -> std::result::Result<Doc, String> {
+    let bad = || format!("{what}: expected a string, an object with \"text\", or [title, sentences]");
+    match v {
+        Value::String(s) => Ok(Doc { title: None, text: s.clone() }),
+        Value::Object(o) => {
+            let text = match o.get("text").or_else(|| o.get("paragraph_text")).or_else(|| o.get("content")) {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(a)) => {
+                    a.iter().map(|x| x.as_str().map(String::from).ok_or_else(bad)).collect::<Result<Vec<_>, _>>()?.concat()
+                }
+                _ => return Err(bad()),
+            };
+            let title = o.get("title").and_then(Value::as_str).map(String::from);
+            Ok(Doc { title, text })
+        }
+        Value::Array(a) if a.len() == 2 => {
+            let title = a[0].as_str().ok_or_else(bad)?.to_string();
+            let text = match &a[1] {
+                Value::String(s) => s.clone(),
+                Value::Array(sents) => {
+                    sents.iter().map(|x| x.as_str().map(String::from).ok_or_else(bad)).collect::<Result<Vec<_>, _>>()?.concat()
+                }
+                _ => return Err(bad()),
+            };
+            Ok(Doc { title: Some(title), text })
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// One record from a JSON value; the error is the reason, without file and line.
+fn parse_record(v: &Value, source: &str, line: usize, default_task: &str) -> std::result::Result<Parsed, String> {
+    let o = v.as_object().ok_or_else(|| "expected a JSON object".to_string())?;
+    let (qkey, q) = ["question", "input", "query"]
+        .iter()
+        .find_map(|k| o.get(*k).map(|q| (*k, q)))
+        .ok_or_else(|| "missing question (expected \"question\" or \"input\")".to_string())?;
+    let question = q.as_str().ok_or_else(|| format!("\"{qkey}\" is not a string"))?.to_string();
+    if question.trim().is_empty() {
+        return Err("empty question".into());
+    }
+    let (akey, a) = ["answers", "answer", "outputs"]
+        .iter()
+        .find_map(|k| o.get(*k).filter(|a| !a.is_null()).map(|a| (*k, a)))
+        .ok_or_else(|| "missing answers (expected \"answers\" or \"answer\")".to_string())?;
+    let answers: Vec<String> = match a {
+        Value::Array(list) => list
+            .iter()
+            .enumerate()
+            .map(|(i, x)| as_text(x).ok_or_else(|| format!("\"{akey}\"[{i}] is not a string")))
+            .collect::<Result<_, _>>()?,
+        other => vec![as_text(other).ok_or_else(|| format!("\"{akey}\" must be a string or a list of strings"))?],
+    };
+    if answers.is_empty() {
+        return Err(format!("empty answers (\"{akey}\" is an empty list)"));
+    }
+    if let Some(i) = answers.iter().position(|s| s.trim().is_empty()) {
+        return Err(if answers.len() == 1 { "empty answers".to_string() } else { format!("empty answers (\"{akey}\"[{i}] is empty)") });
+    }
+    let (ckey, c) = ["context", "documents"]
+        .iter()
+        .find_map(|k| o.get(*k).map(|c| (*k, c)))
+        .ok_or_else(|| "missing context (expected \"context\" or \"documents\")".to_string())?;
+    let body = match c {
+        Value::String(s) => {
+            if s.trim().is_empty() {
+                return Err("empty context".into());
+            }
+            Body::Text(s.clone())
+        }
+        Value::Array(list) => {
+            let docs: Vec<Doc> = list
+                .iter()
+                .enumerate()
+                .map(|(i, d)| parse_doc(d, &format!("\"{ckey}\"[{i}]")))
+                .collect::<Result<_, _>>()?;
+            let docs: Vec<Doc> = docs.into_iter().filter(|d| !d.text.trim().is_empty()).collect();
+            if docs.is_empty() {
+                return Err(format!("empty context (\"{ckey}\" has no non-empty document)"));
+            }
+            Body::Docs(docs)
+        }
+        _ => return Err(format!("\"{ckey}\" must be a string or a list of documents")),
+    };
+    let id = o
+        .get("id")
+        .or_else(|| o.get("_id"))
+        .and_then(as_text)
+        .unwrap_or_else(|| format!("{source}-{line}"));
+    let task = o
+        .get("task")
+        .or_else(|| o.get("dataset"))
+        .and_then(Value::as_str)
+        .map(String::from)
+        .unwrap_or_else(|| default_task.to_string());
+    let meta = match o.get("meta") {
+        Some(m @ Value::Object(_)) => m.clone(),
+        _ => {
+            let known = [
+                "question", "input", "query", "answers", "answer", "outputs", "context", "documents", "id", "_id", "task",
+                "meta", "supporting_facts",
+            ];
+            let mut m = Map::new();
+            m.insert("source".into(), json!(source));
+            m.insert("line".into(), json!(line));
+            for (k, v) in o {
+                if !known.contains(&k.as_str()) && (v.is_string() || v.is_number() || v.is_boolean()) {
+                    m.insert(k.clone(), v.clone());
+                }
+            }
+            if let Some(Value::Array(sf)) = o.get("supporting_facts") {
+                let mut titles: Vec<String> = Vec::new();
+                for f in sf {
+                    if let Some(t) = f.get(0).and_then(Value::as_str) {
+                        if !titles.iter().any(|x| x == t) {
+                            titles.push(t.to_string());
+                        }
+                    }
+                }
+                m.insert("supporting_titles".into(), json!(titles));
+            }
+            Value::Object(m)
+        }
+    };
+    Ok(Parsed { id, question, answers, task, meta, body })
+}
+
+/// Byte offsets where the elements of a top-level JSON array start (the text is valid JSON).
+fn array_element_starts(text: &str) -> Vec<usize> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut depth = 0usize;
+    let mut in_str = false;
+    let mut esc = false;
+    let mut want = false; // at depth 1, waiting for the next element
+    for (i, &c) in b.iter().enumerate() {
+        if in_str {
+            if esc {
+                esc = false;
+            } else if c == b'\\' {
+                esc = true;
+            } else if c == b'"' {
+                in_str = false;
+            }
+            continue;
+        }
+        if want && !c.is_ascii_whitespace() && c != b']' {
+            out.push(i);
+            want = false;
+        }
+        match c {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth == 1 {
+                    want = true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' if depth == 1 => want = true,
+            _ => {}
+        }
+    }
+    out
+}
+
+fn line_of(text: &str, byte: usize) -> usize {
+    text.as_bytes()[..byte.min(text.len())].iter().filter(|&&c| c == b'\n').count() + 1
+}
+
+/// Read a file of records. See the module doc for the accepted shapes.
+pub fn read_records(path: &Path, opts: ReadOptions) -> Result<(Vec<QaRecord>, ReadReport)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let stem = path.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
+    let shown = path.display();
+    let mut report = ReadReport::default();
+    let mut parsed: Vec<(usize, Parsed)> = Vec::new();
+    let fail = |report: &mut ReadReport, line: usize, why: String| -> Result<()> {
+        if opts.skip_bad {
+            report.skipped.push((line, why));
+            Ok(())
+        } else {
+            bail!("{shown}: line {line}: {why}")
+        }
+    };
+    let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
+    let first = body.iter().find(|c| !c.is_ascii_whitespace()).copied();
+    if first == Some(b'[') {
+        let text = std::str::from_utf8(body).map_err(|e| {
+            let line = body[..e.valid_up_to()].iter().filter(|&&c| c == b'\n').count() + 1;
+            anyhow::anyhow!("{shown}: line {line}: not valid UTF-8")
+        })?;
+        let values: Vec<Value> = serde_json::from_str(text)
+            .map_err(|e| anyhow::anyhow!("{shown}: line {}: bad JSON: {e} (a JSON array file cannot skip bad records)", e.line()))?;
+        let starts = array_element_starts(text);
+        let hotpot = values.first().is_some_and(|v| v.get("supporting_facts").is_some() && v.get("context").is_some_and(Value::is_array));
+        report.format = if hotpot { "hotpotqa" } else { "json-array" }.into();
+        let default_task = if hotpot { "hotpotqa".to_string() } else { stem.clone() };
+        for (k, v) in values.iter().enumerate() {
+            let line = starts.get(k).map_or(1, |&b| line_of(text, b));
+            match parse_record(v, &stem, line, &default_task) {
+                Ok(p) => parsed.push((line, p)),
+                Err(why) => fail(&mut report, line, format!("record {}: {why}", k + 1))?,
+            }
+        }
+    } else {
+        report.format = "jsonl".into();
+        for (k, raw) in body.split(|&c| c == b'\n').enumerate() {
+            let line = k + 1;
+            let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+            if raw.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let Ok(text) = std::str::from_utf8(raw) else {
+                fail(&mut report, line, "not valid UTF-8".into())?;
+                continue;
+            };
+            let v: Value = match serde_json::from_str(text) {
+                Ok(v) => v,
+                Err(e) => {
+                    fail(&mut report, line, format!("bad JSON: {e}"))?;
+                    continue;
+                }
+            };
+            match parse_record(&v, &stem, line, &stem) {
+                Ok(p) => parsed.push((line, p)),
+                Err(why) => fail(&mut report, line, why)?,
+            }
+        }
+    }
+    if parsed.is_empty() {
+        match report.skipped.first() {
+            Some((line, why)) => bail!(
+                "{shown}: no usable records ({} skipped; the first at line {line}: {why})",
+                report.skipped.len()
+            ),
+            None => bail!("{shown}: no records"),
+        }
+    }
+    report.read = parsed.len();
+    let records = match opts.pad_to_tokens {
+        None => parsed
+            .into_iter()
+            .map(|(_, p)| {
+                let context = match p.body {
+                    Body::Text(s) => s,
+                    Body::Docs(d) => render_docs(&d.iter().collect::<Vec<_>>()),
+                };
+                QaRecord { id: p.id, question: p.question, context, answers: p.answers, task: p.task, meta: p.meta }
+            })
+            .collect(),
+        Some(target) => pad(parsed, target, &opts, &mut report)?,
+    };
+    Ok((records, report))
+}
+
+/// RULER/MemAgent padding: every record keeps its own documents and gets documents of other
+/// records (drawn at random, without repeats) until about `target` tokens; then all its documents
+/// are shuffled, so the gold ones land at random positions.
+fn pad(parsed: Vec<(usize, Parsed)>, target: usize, opts: &ReadOptions, report: &mut ReadReport) -> Result<Vec<QaRecord>> {
+    let counter = TokenCounter::new(opts.tokenizer, DEFAULT_CHARS_PER_TOKEN);
+    // the pool: every document of the file, once
+    let mut pool: Vec<Doc> = Vec::new();
+    let mut index: HashMap<Doc, usize> = HashMap::new();
+    let own: Vec<Vec<usize>> = parsed
+        .iter()
+        .map(|(_, p)| {
+            let docs = match &p.body {
+                Body::Text(s) => vec![Doc { title: None, text: s.clone() }],
+                Body::Docs(d) => d.clone(),
+            };
+            let mut ids = Vec::new();
+            for d in docs {
+                let id = *index.entry(d.clone()).or_insert_with(|| {
+                    pool.push(d);
+                    pool.len() - 1
+                });
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+            ids
+        })
+        .collect();
+    let header = counter.count("\n\nDocument 10:\n")?;
+    let cost: Vec<usize> = pool
+        .par_iter()
+        .map(|d| {
+            let t = match &d.title {
+                Some(t) => counter.count(&format!("{t}\n{}", d.text)),
+                None => counter.count(&d.text),
+            };
+            t.map(|t| t + header)
+        })
+        .collect::<Result<_>>()?;
+    let results: Vec<(QaRecord, Option<String>)> = parsed
+        .into_par_iter()
+        .enumerate()
+        .map(|(ri, (line, p))| -> Result<(QaRecord, Option<String>)> {
+            let mut rng = Rng::derive(opts.seed, ri as u64);
+            let gold = &own[ri];
+            let mut chosen: Vec<usize> = gold.clone();
+            let mut taken: HashSet<usize> = gold.iter().copied().collect();
+            let mut total: usize = gold.iter().map(|&i| cost[i]).sum();
+            let others = pool.len() - gold.len();
+            let mut misses = 0usize;
+            let mut attempts = 0usize;
+            while total < target && taken.len() < pool.len() && attempts < 20 * pool.len() + 100 && misses < 64 {
+                attempts += 1;
+                let j = rng.below(pool.len() as u64) as usize;
+                if taken.contains(&j) {
+                    continue;
+                }
+                if total + cost[j] <= target {
+                    taken.insert(j);
+                    chosen.push(j);
+                    total += cost[j];
+                } else if total + cost[j] - target < target - total {
+                    // overshooting with this one lands closer to the target than stopping short
+                    taken.insert(j);
+                    chosen.push(j);
+                    break;
+                } else {
+                    misses += 1;
+                }
+            }
+            rng.shuffle(&mut chosen);
+            let gold_positions: Vec<usize> =
+                chosen.iter().enumerate().filter(|(_, j)| gold.contains(j)).map(|(k, _)| k).collect();
+            let docs: Vec<&Doc> = chosen.iter().map(|&j| &pool[j]).collect();
+            let context = render_docs(&docs);
+            let tokens = counter.count(&context)?;
+            let warn = (tokens < target * 9 / 10).then(|| {
+                format!(
+                    "record {} (line {line}) padded to only {tokens} of {target} tokens ({} other documents in the file)",
+                    p.id, others
+                )
+            });
+            let mut meta = match p.meta {
+                Value::Object(m) => m,
+                other => {
+                    let mut m = Map::new();
+                    if !other.is_null() {
+                        m.insert("original_meta".into(), other);
+                    }
+                    m
+                }
+            };
+            meta.insert(
+                "padding".into(),
+                json!({
+                    "target_tokens": target,
+                    "tokens": tokens,
+                    "token_count": counter.describe(),
+                    "documents": chosen.len(),
+                    "gold_documents": gold.len(),
+                    "gold_positions": gold_positions,
+                    "seed": opts.seed,
+                }),
+            );
+            let rec = QaRecord { id: p.id, question: p.question, context, answers: p.answers, task: p.task, meta: Value::Object(meta) };
+            Ok((rec, warn))
+        })
+        .collect::<Result<_>>()?;
+    let mut out = Vec::with_capacity(results.len());
+    let mut short = 0usize;
+    for (r, w) in results {
+        if let Some(w) = w {
+            short += 1;
+            if short <= 5 {
+                report.warnings.push(w);
+            }
+        }
+        out.push(r);
+    }
+    if short > 5 {
+        report.warnings.push(format!("… {} records in all were padded to less than 90% of {target} tokens", short));
+    }
+    Ok(out)
+}

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Side-by-side throughput: infomem-engine vs PyTorch + transformers (+ PEFT) on the same workloads.
+#
+# usage: tools/bench-compare.sh [--model DIR] [--works "score decode train"] [--device cpu|cuda]
+#                               [--dtype float32|bfloat16] [--repeat R] [--out FILE]
+#
+#   --model DIR   HF model directory (default $INFOMEM_CACHE/SmolLM2-135M-Instruct,
+#                 INFOMEM_CACHE defaulting to ~/.cache/infomem-engine)
+#   --works LIST  workloads, any of score decode train rollout (default "score decode train");
+#                 their definitions are in tools/bench_torch.py's docstring
+#   --device      cpu (default) or cuda (the engine gets --backend cuda)
+#   --dtype       dtype of the PyTorch side (default float32 on cpu, bfloat16 on cuda)
+#   --repeat R    timed runs of the PyTorch side (median reported; default 1)
+#   --out FILE    also write every raw JSON line (engine and torch) to FILE
+#
+# For each work it runs the engine first,
+#   ${INFOMEM_BIN:-target/release/infomem-engine} bench --model DIR --work W --json [--backend cuda]
+# (last stdout line: JSON with at least tokens_per_s and threads), then
+#   PY tools/bench_torch.py --model DIR --work W --threads <engine's threads> --json ...
+# and prints a Markdown table with the commands, the date and the CPU/GPU model.
+# PY is $TORCH_PYTHON, else $INFOMEM_CACHE/torch-venv/bin/python, else python3 (first with torch).
+# If the engine binary is missing or fails, the torch side still runs and the exit status is 1.
+set -uo pipefail
+
+CACHE="${INFOMEM_CACHE:-$HOME/.cache/infomem-engine}"
+MODEL="$CACHE/SmolLM2-135M-Instruct"
+WORKS="score decode train"
+DEVICE=cpu
+DTYPE=""
+REPEAT=1
+OUT=""
+BIN="${INFOMEM_BIN:-target/release/infomem-engine}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+TORCH_SCRIPT="$HERE/bench_torch.py"
+
+die() { echo "bench-compare: $*" >&2; exit 2; }
+usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
+    --works) WORKS="${2:?--works needs a list}"; shift 2 ;;
+    --device) DEVICE="${2:?--device needs cpu or cuda}"; shift 2 ;;
+    --dtype) DTYPE="${2:?--dtype needs a value}"; shift 2 ;;
+    --repeat) REPEAT="${2:?--repeat needs a number}"; shift 2 ;;
+    --out) OUT="${2:?--out needs a file}"; shift 2 ;;
+    -h|--help) usage 0 ;;
+    *) echo "bench-compare: unknown argument: $1" >&2; usage 2 ;;
+  esac
+done
+case "$DEVICE" in cpu|cuda) ;; *) die "--device must be cpu or cuda, not '$DEVICE'" ;; esac
+for w in $WORKS; do
+  case "$w" in score|decode|train|rollout) ;; *) die "unknown work '$w' (score decode train rollout)" ;; esac
+done
+[ -d "$MODEL" ] || die "model directory not found: $MODEL (pass --model DIR)"
+[ -f "$TORCH_SCRIPT" ] || die "missing $TORCH_SCRIPT"
+
+# --- a Python with torch + transformers --------------------------------------------------------
+has_torch() { [ -n "$1" ] && "$1" -c 'import torch, transformers' >/dev/null 2>&1; }
+PY=""
+if [ -n "${TORCH_PYTHON:-}" ]; then
+  has_torch "$TORCH_PYTHON" || die "TORCH_PYTHON=$TORCH_PYTHON cannot import torch and transformers"
+  PY="$TORCH_PYTHON"
+else
+  for cand in "$CACHE/torch-venv/bin/python" python3; do
+    if has_torch "$cand"; then PY="$cand"; break; fi
+  done
+fi
+if [ -z "$PY" ]; then
+  cat >&2 <<EOF
+bench-compare: no Python with torch + transformers found (tried \$TORCH_PYTHON, $CACHE/torch-venv/bin/python, python3).
+Install one with:
+  python3 -m venv $CACHE/torch-venv && $CACHE/torch-venv/bin/pip install torch transformers peft
+EOF
+  exit 2
+fi
+case " $WORKS " in *" train "*)
+  "$PY" -c 'import peft' >/dev/null 2>&1 || die "$PY has no peft (needed for train): $PY -m pip install peft" ;;
+esac
+
+# --- the engine -------------------------------------------------------------------------------
+ENGINE_OK=1
+if [ ! -x "$BIN" ]; then
+  echo "bench-compare: engine binary not found or not executable: $BIN" >&2
+  echo "  build it with 'cargo build --release$([ "$DEVICE" = cuda ] && echo ' --features cuda')' or set INFOMEM_BIN;" \
+       "running the PyTorch side only" >&2
+  ENGINE_OK=0
+fi
+
+# json_get LINE KEY -> value ('' when LINE is not JSON or KEY is absent)
+json_get() {
+  "$PY" -c 'import json, sys
+try:
+    v = json.loads(sys.argv[1]).get(sys.argv[2], "")
+except Exception:
+    v = ""
+print(v)' "$1" "$2"
+}
+is_result() { [ -n "$(json_get "$1" tokens_per_s)" ]; }
+quote() { printf '%q ' "$@" | sed 's/ $//'; }
+
+[ -n "$OUT" ] && : > "$OUT"
+STATUS=0
+ROWS=()
+CMDS=()
+ENGINE_VER=""
+TORCH_VER=""
+
+for w in $WORKS; do
+  # engine
+  e_line=""
+  if [ "$ENGINE_OK" = 1 ]; then
+    ecmd=("$BIN" bench --model "$MODEL" --work "$w" --json)
+    [ "$DEVICE" = cuda ] && ecmd+=(--backend cuda)
+    CMDS+=("$(quote "${ecmd[@]}")")
+    echo "bench-compare: [$w] engine: $(quote "${ecmd[@]}")" >&2
+    e_out="$("${ecmd[@]}")"; rc=$?
+    e_line="$(printf '%s\n' "$e_out" | tail -n 1)"
+    if [ $rc -ne 0 ] || ! is_result "$e_line"; then
+      echo "bench-compare: [$w] engine failed (exit $rc); last stdout line: ${e_line:-<none>}" >&2
+      e_line=""; STATUS=1
+    else
+      [ -n "$OUT" ] && printf '%s\n' "$e_line" >> "$OUT"
+      ENGINE_VER="$(json_get "$e_line" version)"
+    fi
+  else
+    STATUS=1
+  fi
+
+  # torch, with the engine's thread count
+  threads="$( [ -n "$e_line" ] && json_get "$e_line" threads )"
+  [ -n "$threads" ] || threads="$(nproc)"
+  tcmd=("$PY" "$TORCH_SCRIPT" --model "$MODEL" --work "$w" --device "$DEVICE" --threads "$threads"
+        --repeat "$REPEAT" --json)
+  [ -n "$DTYPE" ] && tcmd+=(--dtype "$DTYPE")
+  CMDS+=("$(quote "${tcmd[@]}")")
+  echo "bench-compare: [$w] torch: $(quote "${tcmd[@]}")" >&2
+  t_out="$("${tcmd[@]}")"; rc=$?
+  t_line="$(printf '%s\n' "$t_out" | tail -n 1)"
+  if [ $rc -ne 0 ] || ! is_result "$t_line"; then
+    echo "bench-compare: [$w] torch failed (exit $rc)" >&2
+    t_line=""; STATUS=1
+  else
+    [ -n "$OUT" ] && printf '%s\n' "$t_line" >> "$OUT"
+    TORCH_VER="torch $(json_get "$t_line" torch), transformers $(json_get "$t_line" transformers)"
+  fi
+
+  # table row
+  e_tps="$( [ -n "$e_line" ] && json_get "$e_line" tokens_per_s )"
+  t_tps="$( [ -n "$t_line" ] && json_get "$t_line" tokens_per_s )"
+  target="—"
+  if [ "$DEVICE" = cpu ]; then
+    case "$w" in score|train) target=1.5 ;; decode) target=5 ;; esac
+  fi
+  ROWS+=("$("$PY" - "$w" "$e_tps" "$t_tps" "$target" <<'EOF'
+import sys
+w, e, t, target = sys.argv[1:]
+fmt = lambda x: f"{float(x):.1f}" if x else "n/a"
+ratio, tgt = "n/a", "—"
+if e and t:
+    r = float(e) / float(t)
+    ratio = f"{r:.2f}×"
+if target != "—":
+    tgt = f"≥ {target}×"
+    if ratio != "n/a":
+        tgt += " ✓" if r >= float(target) else " ✗"
+print(f"| {w} | {fmt(e)} | {fmt(t)} | {ratio} | {tgt} |")
+EOF
+)")
+done
+
+# --- report -----------------------------------------------------------------------------------
+cpu="$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')"
+echo
+echo "## infomem-engine vs PyTorch — $DEVICE"
+echo
+echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "- CPU: ${cpu:-unknown} ($(nproc) cores visible)"
+if [ "$DEVICE" = cuda ]; then
+  gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)"
+  echo "- GPU: ${gpu:-unknown (nvidia-smi unavailable)}"
+fi
+echo "- model: $MODEL"
+echo "- engine: ${ENGINE_VER:-$([ "$ENGINE_OK" = 1 ] && echo "$BIN" || echo "not run ($BIN missing)")}"
+echo "- PyTorch side: ${TORCH_VER:-not run} (${DTYPE:-default dtype}, median of $REPEAT)"
+echo
+echo "| work | engine tok/s | torch tok/s | ratio | target |"
+echo "|---|---:|---:|---:|---|"
+for r in "${ROWS[@]}"; do echo "$r"; done
+echo
+echo "Commands:"
+echo
+for c in "${CMDS[@]}"; do echo "    $c"; done
+[ -n "$OUT" ] && { echo; echo "Raw JSON lines: $OUT"; }
+exit $STATUS
