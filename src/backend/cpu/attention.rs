@@ -4,10 +4,11 @@
 //! head's keys within a page are contiguous and gathering a sequence's keys is one `memcpy` per
 //! page. Pages are allocated on first write and recycled on release.
 //!
-//! Compute: one task per (sequence, kv head): gather K and V of the visible context once, then
-//! for each query head of the group and each block of query rows, `S = Q Kᵀ` (GEMM), causal mask,
-//! softmax in f32, `O = P V` (GEMM). Only a `[block, ctx]` score tile exists at a time, never
-//! `[T, T]`. Single query rows (decode) use plain dot products instead of GEMM calls.
+//! Compute: one task per (sequence, kv head). Prefill and scoring chunks gather K and V of the
+//! visible context once, then for each query head of the group and each block of query rows do
+//! `S = Q Kᵀ` (GEMM), causal mask, softmax in f32, `O = P V` (GEMM); only a `[block, ctx]` score
+//! tile exists at a time, never `[T, T]`. Decode rows (a few queries) read K and V straight from
+//! the pages with dot products: a gather would copy the whole context per step.
 use super::matmul::{gemm_raw, SendPtr};
 use crate::backend::{AttnGeom, AttnSeq};
 use rayon::prelude::*;
@@ -125,6 +126,18 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = &seqs[si];
+        if s.n_q <= DIRECT_MAX_Q {
+            // decode rows: read keys/values straight from the pages (no gather copy)
+            for r in 0..s.n_q {
+                let visible = s.ctx_len - s.n_q + r + 1;
+                for qh in kvh * group..(kvh + 1) * group {
+                    let q = &qkv[(s.q_row + r) * width + qh * hd..][..hd];
+                    let o = unsafe { std::slice::from_raw_parts_mut(outp.get().add((s.q_row + r) * q_dim + qh * hd), hd) };
+                    kv.attend_direct(layer, kvh, s.pages, visible, q, scale, o);
+                }
+            }
+            return;
+        }
         let n = s.ctx_len;
         let mut kbuf = vec![0f32; n * hd];
         let mut vbuf = vec![0f32; n * hd];
@@ -139,38 +152,19 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
                 let kmax = first_pos + r0 + bq; // keys visible to the block's last row
                 let qptr = unsafe { qkv.as_ptr().add((s.q_row + r0) * width + qh * hd) };
                 let optr = unsafe { outp.get().add((s.q_row + r0) * q_dim + qh * hd) };
-                if bq == 1 {
-                    // decode: one query row, dot products then a weighted sum
-                    let q = unsafe { std::slice::from_raw_parts(qptr, hd) };
-                    let sc = &mut scores[..kmax];
-                    for (j, sj) in sc.iter_mut().enumerate() {
-                        let k = &kbuf[j * hd..(j + 1) * hd];
-                        *sj = dot(q, k) * scale;
-                    }
-                    softmax_inplace(sc);
-                    let o = unsafe { std::slice::from_raw_parts_mut(optr, hd) };
-                    o.fill(0.0);
-                    for (j, &p) in sc.iter().enumerate() {
-                        let v = &vbuf[j * hd..(j + 1) * hd];
-                        for (oo, vv) in o.iter_mut().zip(v) {
-                            *oo += p * vv;
-                        }
-                    }
-                } else {
-                    unsafe {
-                        // S[bq, kmax] = Q[bq, hd] · K[kmax, hd]ᵀ
-                        gemm_raw(bq, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kbuf.as_ptr(), 1, hd as isize, scale, false);
-                    }
-                    for r in 0..bq {
-                        let visible = first_pos + r0 + r + 1;
-                        let row = &mut scores[r * kmax..(r + 1) * kmax];
-                        softmax_inplace(&mut row[..visible]);
-                        row[visible..].fill(0.0);
-                    }
-                    unsafe {
-                        // O[bq, hd] = P[bq, kmax] · V[kmax, hd]
-                        gemm_raw(bq, hd, kmax, optr, q_dim as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vbuf.as_ptr(), hd as isize, 1, 1.0, false);
-                    }
+                unsafe {
+                    // S[bq, kmax] = Q[bq, hd] · K[kmax, hd]ᵀ
+                    gemm_raw(bq, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kbuf.as_ptr(), 1, hd as isize, scale, false);
+                }
+                for r in 0..bq {
+                    let visible = first_pos + r0 + r + 1;
+                    let row = &mut scores[r * kmax..(r + 1) * kmax];
+                    softmax_inplace(&mut row[..visible]);
+                    row[visible..].fill(0.0);
+                }
+                unsafe {
+                    // O[bq, hd] = P[bq, kmax] · V[kmax, hd]
+                    gemm_raw(bq, hd, kmax, optr, q_dim as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vbuf.as_ptr(), hd as isize, 1, 1.0, false);
                 }
                 r0 += bq;
             }
@@ -178,32 +172,47 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
     });
 }
 
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // 8 partial sums so the compiler vectorizes without reassociation flags
-    let mut acc = [0f32; 8];
-    let n8 = a.len() & !7;
-    for i in (0..n8).step_by(8) {
-        for l in 0..8 {
-            acc[l] += a[i + l] * b[i + l];
+/// Sequences with at most this many query rows read the pages directly; longer ones gather K/V
+/// once and use GEMM tiles.
+const DIRECT_MAX_Q: usize = 4;
+
+impl CpuKv {
+    /// One query row of one head over `visible` cached positions, reading K and V in place.
+    fn attend_direct(&self, layer: usize, kvh: usize, pages: &[u32], visible: usize, q: &[f32], scale: f32, out: &mut [f32]) {
+        let (ps, hd) = (self.geom.page_size, self.geom.head_dim);
+        let (ko, vo) = (self.off(layer, 0, kvh, 0), self.off(layer, 1, kvh, 0));
+        let mut scores = vec![0f32; visible];
+        for (pi, &p) in pages.iter().enumerate() {
+            let t0 = pi * ps;
+            if t0 >= visible {
+                break;
+            }
+            let keys = &self.page(p)[ko..ko + ps * hd];
+            for (j, sc) in scores[t0..visible.min(t0 + ps)].iter_mut().enumerate() {
+                *sc = dot(q, &keys[j * hd..(j + 1) * hd]) * scale;
+            }
+        }
+        softmax_inplace(&mut scores);
+        out.fill(0.0);
+        for (pi, &p) in pages.iter().enumerate() {
+            let t0 = pi * ps;
+            if t0 >= visible {
+                break;
+            }
+            let vals = &self.page(p)[vo..vo + ps * hd];
+            for (j, &w) in scores[t0..visible.min(t0 + ps)].iter().enumerate() {
+                super::simd::axpy(out, w, &vals[j * hd..(j + 1) * hd]);
+            }
         }
     }
-    let mut s: f32 = acc.iter().sum();
-    for i in n8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
 }
+
+pub use super::simd::dot;
 
 #[inline]
 pub fn softmax_inplace(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
+    let m = super::simd::max(x);
+    let inv = 1.0 / super::simd::exp_sub_sum(x, m);
     for v in x.iter_mut() {
         *v *= inv;
     }

@@ -37,9 +37,9 @@ fn block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize) -> Ve
             let mut picked = Vec::new();
             for r in 0..rows {
                 let row = &logits[r * vn..(r + 1) * vn];
-                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let m = super::simd::max(row);
                 st.max[r] = m;
-                st.sum[r] = row.iter().map(|&x| (x - m).exp()).sum();
+                st.sum[r] = super::simd::sum_exp_sub(row, m);
                 let tgt = targets[r] as usize;
                 if (v0..v0 + vn).contains(&tgt) {
                     picked.push((r, row[tgt - v0]));

@@ -181,9 +181,16 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); NR]; MR];
         let k8 = k & !7;
         let mut kk = 0;
+        // The first row group streams W from memory: prefetch the next weight rows so DRAM
+        // requests overlap the FMAs (without it a core reaches only ~6 GB/s here).
+        let prefetch = i0 == 0;
         while kk < k8 {
             let mut wv = [_mm256_setzero_ps(); NR];
             for c in 0..NR {
+                if prefetch && kk % 16 == 0 {
+                    // wrapping: past the last row this is only a hint, never dereferenced
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((j + NR + c) * k + kk) as *const i8);
+                }
                 wv[c] = _mm256_loadu_ps(w.add((j + c) * k + kk));
             }
             for r in 0..MR {

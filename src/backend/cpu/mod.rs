@@ -5,6 +5,7 @@ pub mod logprob;
 pub mod matmul;
 pub mod ops;
 pub mod sample;
+pub mod simd;
 
 use super::{AttnGeom, AttnSeq, Backend, SampleParams, Sampled};
 use anyhow::{ensure, Result};

@@ -22,7 +22,7 @@ pub fn gather_rows(x: &[f32], rows: &[u32], d: usize, out: &mut [f32]) {
 /// 1/rms of a row, accumulated in f32 like transformers' `hidden.pow(2).mean(-1)`.
 #[inline]
 pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let ss = super::simd::dot(x, x);
     1.0 / (ss / x.len() as f32 + eps).sqrt()
 }
 
@@ -109,7 +109,7 @@ pub fn rope_qkv(qkv: &mut [f32], positions: &[u32], inv_freq: &[f32], n_heads: u
 
 #[inline]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + super::simd::exp(-x))
 }
 
 pub fn swiglu(gate_up: &[f32], m: usize, i: usize, out: &mut [f32]) {
@@ -119,9 +119,7 @@ pub fn swiglu(gate_up: &[f32], m: usize, i: usize, out: &mut [f32]) {
         .for_each(|(o, gu)| {
             for (orow, gurow) in o.chunks_exact_mut(i).zip(gu.chunks_exact(2 * i)) {
                 let (g, u) = gurow.split_at(i);
-                for ((o, &g), &u) in orow.iter_mut().zip(g).zip(u) {
-                    *o = silu(g) * u;
-                }
+                super::simd::silu_mul(g, u, orow);
             }
         });
 }

@@ -3,8 +3,8 @@
 use crate::backend::{SampleParams, Sampled};
 
 pub fn sample_row(logits: &[f32], p: SampleParams, u: f64) -> Sampled {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m as f64 + logits.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>().ln();
+    let m = super::simd::max(logits);
+    let lse = m as f64 + (super::simd::sum_exp_sub(logits, m) as f64).ln();
     let logprob = |t: usize| (logits[t] as f64 - lse) as f32;
     if p.is_greedy() {
         let t = logits.iter().position(|&x| x == m).unwrap_or(0);
