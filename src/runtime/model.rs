@@ -87,7 +87,7 @@ impl<B: Backend> Model<B> {
             tokenizer,
             lora: None,
             lora_enabled: true,
-            page_size: 16,
+            page_size: 64,
             cfg,
             be,
             dir: dir.to_path_buf(),

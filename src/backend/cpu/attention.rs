@@ -127,14 +127,14 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = &seqs[si];
         if s.n_q <= DIRECT_MAX_Q {
-            // decode rows: read keys/values straight from the pages (no gather copy)
+            // decode rows: read keys/values straight from the pages (no gather copy), once for
+            // all query heads of the group
             for r in 0..s.n_q {
                 let visible = s.ctx_len - s.n_q + r + 1;
-                for qh in kvh * group..(kvh + 1) * group {
-                    let q = &qkv[(s.q_row + r) * width + qh * hd..][..hd];
-                    let o = unsafe { std::slice::from_raw_parts_mut(outp.get().add((s.q_row + r) * q_dim + qh * hd), hd) };
-                    kv.attend_direct(layer, kvh, s.pages, visible, q, scale, o);
-                }
+                let row = s.q_row + r;
+                let q = &qkv[row * width + kvh * group * hd..][..group * hd];
+                let o = unsafe { std::slice::from_raw_parts_mut(outp.get().add(row * q_dim + kvh * group * hd), group * hd) };
+                kv.attend_direct(layer, kvh, s.pages, visible, q, group, scale, o);
             }
             return;
         }
@@ -177,33 +177,58 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
 const DIRECT_MAX_Q: usize = 4;
 
 impl CpuKv {
-    /// One query row of one head over `visible` cached positions, reading K and V in place.
-    fn attend_direct(&self, layer: usize, kvh: usize, pages: &[u32], visible: usize, q: &[f32], scale: f32, out: &mut [f32]) {
+    /// One query row of the `group` query heads sharing kv head `kvh`, over `visible` cached
+    /// positions: K is read once (scores of all heads), then V once (weighted sums).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_direct(&self, layer: usize, kvh: usize, pages: &[u32], visible: usize, q: &[f32], group: usize, scale: f32, out: &mut [f32]) {
         let (ps, hd) = (self.geom.page_size, self.geom.head_dim);
         let (ko, vo) = (self.off(layer, 0, kvh, 0), self.off(layer, 1, kvh, 0));
-        let mut scores = vec![0f32; visible];
-        for (pi, &p) in pages.iter().enumerate() {
+        let n_pages = visible.div_ceil(ps);
+        // scores[h * visible + t]
+        let mut scores = vec![0f32; group * visible];
+        for (pi, &p) in pages[..n_pages].iter().enumerate() {
             let t0 = pi * ps;
-            if t0 >= visible {
-                break;
-            }
-            let keys = &self.page(p)[ko..ko + ps * hd];
-            for (j, sc) in scores[t0..visible.min(t0 + ps)].iter_mut().enumerate() {
-                *sc = dot(q, &keys[j * hd..(j + 1) * hd]) * scale;
+            let nt = ps.min(visible - t0);
+            let keys = &self.page(p)[ko..ko + nt * hd];
+            // the next page's keys are elsewhere in memory: fetch them while these are used
+            let next = pages.get(pi + 1).filter(|_| pi + 1 < n_pages).map(|&np| self.page(np)[ko..].as_ptr());
+            for (j, key) in keys.chunks_exact(hd).enumerate() {
+                if let Some(np) = next {
+                    prefetch_row(np.wrapping_add(j * hd), hd);
+                }
+                for h in 0..group {
+                    scores[h * visible + t0 + j] = dot(&q[h * hd..(h + 1) * hd], key) * scale;
+                }
             }
         }
-        softmax_inplace(&mut scores);
+        for h in 0..group {
+            softmax_inplace(&mut scores[h * visible..(h + 1) * visible]);
+        }
         out.fill(0.0);
-        for (pi, &p) in pages.iter().enumerate() {
+        for (pi, &p) in pages[..n_pages].iter().enumerate() {
             let t0 = pi * ps;
-            if t0 >= visible {
-                break;
-            }
-            let vals = &self.page(p)[vo..vo + ps * hd];
-            for (j, &w) in scores[t0..visible.min(t0 + ps)].iter().enumerate() {
-                super::simd::axpy(out, w, &vals[j * hd..(j + 1) * hd]);
+            let nt = ps.min(visible - t0);
+            let vals = &self.page(p)[vo..vo + nt * hd];
+            let next = pages.get(pi + 1).filter(|_| pi + 1 < n_pages).map(|&np| self.page(np)[vo..].as_ptr());
+            for (j, val) in vals.chunks_exact(hd).enumerate() {
+                if let Some(np) = next {
+                    prefetch_row(np.wrapping_add(j * hd), hd);
+                }
+                for h in 0..group {
+                    super::simd::axpy(&mut out[h * hd..(h + 1) * hd], scores[h * visible + t0 + j], val);
+                }
             }
         }
+    }
+}
+
+/// Hint the cache to fetch `n` floats at `p` (one prefetch per 64-byte line; a no-op elsewhere).
+#[inline(always)]
+fn prefetch_row(p: *const f32, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..n).step_by(16) {
+        // Safety: prefetch never faults; the address is only a hint.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(i) as *const i8) };
     }
 }
 

@@ -3,32 +3,91 @@
 //! instead of calling libm per element. The crate is built for x86-64-v3 (AVX2+FMA, see
 //! .cargo/config.toml); other targets get the same code through plain loops.
 
-/// Σ a[i]·b[i] with 8 independent partial sums (the order is fixed, so results are reproducible).
+/// Σ a[i]·b[i] with fixed-order partial sums (reproducible run to run).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    {
+        // Safety: both slices hold n elements; loads are unaligned.
+        unsafe { avx::dot(a.as_ptr(), b.as_ptr(), n) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    {
+        let (a, b) = (&a[..n], &b[..n]);
+        let mut acc = [0f32; 8];
+        let ca = a.chunks_exact(8);
+        let cb = b.chunks_exact(8);
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l];
+            }
         }
+        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (x, y) in ra.iter().zip(rb) {
+            s += x * y;
+        }
+        s
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }
 
 /// y += alpha · x
 #[inline]
 pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
-    for (a, b) in y.iter_mut().zip(x) {
+    let n = y.len().min(x.len());
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    {
+        // Safety: both slices hold n elements and do not overlap (&mut vs &).
+        unsafe { avx::axpy(y.as_mut_ptr(), alpha, x.as_ptr(), n) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    for (a, b) in y[..n].iter_mut().zip(&x[..n]) {
         *a += alpha * b;
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+mod avx {
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), _mm256_loadu_ps(b.add(i + 8)), acc1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
+            i += 8;
+        }
+        let v = _mm256_add_ps(acc0, acc1);
+        let s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let mut r = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+        while i < n {
+            r += *a.add(i) * *b.add(i);
+            i += 1;
+        }
+        r
+    }
+
+    #[inline(always)]
+    pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
+        let av = _mm256_set1_ps(alpha);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *y.add(i) += alpha * *x.add(i);
+            i += 1;
+        }
     }
 }
 
