@@ -26,6 +26,10 @@ enum Cmd {
     Rollout(cli::agent::RolloutArgs),
     /// Evaluate the memory agent (greedy): accuracy per task and length, JSON + Markdown + PNG.
     Eval(cli::agent::EvalArgs),
+    /// GRPO training of a LoRA adapter on the memory agent (outcome + InfoMem rewards), with checkpoints and --resume.
+    Train(cli::train::TrainArgs),
+    /// Fold a LoRA adapter into the base weights and write a merged HF model directory.
+    Merge(cli::train::MergeArgs),
     /// Final rewards of dumped groups under a reward mode (outcome, infomem and its ablations).
     Reward(cli::reward::RewardArgs),
     /// Make and inspect datasets: synthetic long-document tasks, JSONL/HotpotQA readers, padding.
@@ -47,6 +51,8 @@ fn main() {
         Cmd::GrpoGrad(a) => cli::train::grpo_grad(a),
         Cmd::Data(a) => cli::data::data(a),
         Cmd::Reward(a) => cli::reward::reward(a),
+        Cmd::Train(a) => cli::train::train(a),
+        Cmd::Merge(a) => cli::train::merge(a),
         Cmd::Rollout(a) => cli::agent::rollout(a),
         Cmd::Eval(a) => cli::agent::eval(a),
     };

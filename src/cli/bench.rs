@@ -11,6 +11,9 @@ use serde_json::json;
 pub enum Work {
     Score,
     Decode,
+    /// LoRA r16 (α 32) on all 7 projections, GRPO token loss on the last 128 tokens of each
+    /// sequence, one forward + backward (CPU backend).
+    Train,
 }
 
 #[derive(Args, Debug)]
@@ -26,7 +29,8 @@ pub struct BenchArgs {
     /// (default: 512 for score, 256 for decode).
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// `score`: teacher-forced targets at the end of each sequence (default: 64).
+    /// `score`: teacher-forced targets at the end of each sequence (default: 64); `train`: tokens
+    /// with loss at the end of each sequence (default: 128).
     #[arg(long)]
     pub score_last: Option<usize>,
     /// `decode`: new tokens per sequence (default: 128).
@@ -40,17 +44,31 @@ pub struct BenchArgs {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
-    crate::with_model!(a.model, |model| bench_on(&model, &a))
+    if a.work == Work::Train {
+        // the LoRA backward exists on the CPU backend (TrainBackend); CUDA's is not built yet
+        let mut model = a.model.load_cpu()?;
+        if model.lora.is_none() {
+            model.set_adapter(infomem_engine::rl::grpo::bench_adapter(&model.cfg))?;
+        }
+        let base = BenchShape { batch: 8, seq_len: 512, score_last: 128, new_tokens: 0 };
+        return measure(&model, &a, base, |s, seed| {
+            let shape = infomem_engine::rl::grpo::TrainShape { batch: s.batch, seq_len: s.seq_len, train_last: s.score_last };
+            infomem_engine::rl::grpo::run_train_bench(&model, shape, seed)
+        });
+    }
+    crate::with_model!(a.model, |model| {
+        match a.work {
+            Work::Score => measure(&model, &a, BenchShape::SCORE, |s, seed| bench::run_score(&model, s, seed)),
+            _ => measure(&model, &a, BenchShape::DECODE, |s, seed| bench::run_decode(&model, s, seed)),
+        }
+    })
 }
 
-fn bench_on<B: Backend>(model: &Model<B>, a: &BenchArgs) -> Result<()> {
+/// Warm up, time `--repeat` runs of `run` (the best counts), report.
+fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: impl Fn(BenchShape, u64) -> Result<(usize, f64)>) -> Result<()> {
     if a.repeat == 0 {
         bail!("--repeat must be at least 1");
     }
-    let (base, run): (BenchShape, fn(&Model<B>, BenchShape, u64) -> Result<(usize, f64)>) = match a.work {
-        Work::Score => (BenchShape::SCORE, bench::run_score::<B>),
-        Work::Decode => (BenchShape::DECODE, bench::run_decode::<B>),
-    };
     let shape = BenchShape {
         batch: a.batch.unwrap_or(base.batch),
         seq_len: a.seq_len.unwrap_or(base.seq_len),
@@ -61,7 +79,7 @@ fn bench_on<B: Backend>(model: &Model<B>, a: &BenchArgs) -> Result<()> {
         bail!("--batch and --seq-len must be at least 1");
     }
     match a.work {
-        Work::Score if shape.score_last == 0 || shape.score_last >= shape.seq_len => {
+        Work::Score | Work::Train if shape.score_last == 0 || shape.score_last >= shape.seq_len => {
             bail!("--score-last must be in 1..{} (below --seq-len)", shape.seq_len)
         }
         Work::Decode if shape.new_tokens == 0 => bail!("--new-tokens must be at least 1"),
@@ -69,24 +87,25 @@ fn bench_on<B: Backend>(model: &Model<B>, a: &BenchArgs) -> Result<()> {
     }
     // warm-up: same shapes, fewer sequences
     let warm = BenchShape { batch: shape.batch.min(2), new_tokens: shape.new_tokens.min(8), ..shape };
-    run(model, warm, 1)?;
+    run(warm, 1)?;
     let mut best = f64::INFINITY;
     let mut tokens = 0;
     for r in 0..a.repeat {
-        let (n, s) = run(model, shape, 7 + r as u64)?;
+        let (n, s) = run(shape, 7 + r as u64)?;
         tokens = n;
         best = best.min(s);
     }
     let tps = tokens as f64 / best;
     let work = format!("{:?}", a.work).to_lowercase();
+    let cuda = model.be.name().starts_with("cuda");
     if a.json {
         print_json(&json!({
             "impl": "infomem-engine",
             "work": work,
             "model": model.dir.display().to_string(),
             "backend": model.be.name(),
-            "device": if model.be.name().starts_with("cuda") { "cuda" } else { "cpu" },
-            "dtype": if model.be.name().starts_with("cuda") { "bfloat16" } else { "float32" },
+            "device": if cuda { "cuda" } else { "cpu" },
+            "dtype": if cuda { "bfloat16" } else { "float32" },
             "threads": rayon::current_num_threads(),
             "batch": shape.batch,
             "seq_len": shape.seq_len,

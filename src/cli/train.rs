@@ -4,7 +4,12 @@ use super::{print_json, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use infomem_engine::model::weights::write_safetensors;
+use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::data::{self, ReadOptions};
 use infomem_engine::rl::grpo;
+use infomem_engine::rl::trainer::{self, TrainConfig, Trainer};
+use infomem_engine::runtime::Model;
+use infomem_engine::util::progress;
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -63,5 +68,225 @@ pub fn grpo_grad(a: GrpoGradArgs) -> Result<()> {
             a.out.display()
         );
     }
+    Ok(())
+}
+
+/// `train`: flags override the TOML config file, which overrides the defaults.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// TOML file with any of the options below (snake_case keys, e.g. `queries_per_step = 4`).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Continue the run in --out from its newest checkpoint (its saved configuration is used;
+    /// only --steps, --save-every and --keep-checkpoints may change).
+    #[arg(long)]
+    pub resume: bool,
+    /// HF model directory.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute backend (the trainer runs on the CPU in this build).
+    #[arg(long, value_enum, default_value_t = super::BackendKind::Cpu)]
+    pub backend: super::BackendKind,
+    /// Training data JSONL.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Output directory: metrics.jsonl, curves.png, adapter/, checkpoints/.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long)]
+    pub init_adapter: Option<PathBuf>,
+    #[arg(long)]
+    pub lora_r: Option<usize>,
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
+    /// Comma-separated: q,k,v,o,gate,up,down.
+    #[arg(long, value_delimiter = ',')]
+    pub lora_targets: Option<Vec<String>>,
+    #[arg(long)]
+    pub steps: Option<usize>,
+    #[arg(long)]
+    pub queries_per_step: Option<usize>,
+    #[arg(long)]
+    pub group_size: Option<usize>,
+    #[arg(long)]
+    pub chunk_tokens: Option<usize>,
+    #[arg(long)]
+    pub memory_tokens: Option<usize>,
+    #[arg(long)]
+    pub answer_tokens: Option<usize>,
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    #[arg(long)]
+    pub templates: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    pub extract: Option<infomem_engine::reward::Extract>,
+    #[arg(long = "match", value_enum)]
+    pub matcher: Option<infomem_engine::reward::Matcher>,
+    #[arg(long, value_enum)]
+    pub reward: Option<infomem_engine::reward::RewardMode>,
+    #[arg(long)]
+    pub beta: Option<f64>,
+    /// std or mean.
+    #[arg(long)]
+    pub adv_norm: Option<String>,
+    #[arg(long)]
+    pub clip_low: Option<f64>,
+    #[arg(long)]
+    pub clip_high: Option<f64>,
+    #[arg(long)]
+    pub kl_coef: Option<f64>,
+    #[arg(long)]
+    pub lr: Option<f64>,
+    #[arg(long)]
+    pub warmup_steps: Option<usize>,
+    #[arg(long, value_enum)]
+    pub schedule: Option<infomem_engine::rl::trainer::Schedule>,
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    #[arg(long)]
+    pub micro_batch_tokens: Option<usize>,
+    #[arg(long)]
+    pub max_batch_tokens: Option<usize>,
+    #[arg(long)]
+    pub save_every: Option<usize>,
+    #[arg(long)]
+    pub keep_checkpoints: Option<usize>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl TrainArgs {
+    pub fn config(&self) -> Result<TrainConfig> {
+        let mut c = match &self.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?;
+                toml::from_str::<TrainConfig>(&text).with_context(|| format!("config {}", p.display()))?
+            }
+            None => TrainConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone().into(); } )* };
+        }
+        set!(steps, queries_per_step, group_size, chunk_tokens, memory_tokens, answer_tokens, temperature, top_p, extract, matcher, reward, beta,
+             adv_norm, clip_low, clip_high, kl_coef, lr, warmup_steps, schedule, weight_decay, grad_clip, micro_batch_tokens, max_batch_tokens,
+             save_every, keep_checkpoints, seed, lora_r, lora_alpha, lora_targets);
+        if let Some(v) = &self.out {
+            c.out = v.clone();
+        }
+        for (dst, src) in [(&mut c.model, &self.model), (&mut c.data, &self.data), (&mut c.init_adapter, &self.init_adapter), (&mut c.templates, &self.templates)] {
+            if src.is_some() {
+                *dst = src.clone();
+            }
+        }
+        Ok(c)
+    }
+}
+
+pub fn train(a: TrainArgs) -> Result<()> {
+    if a.backend != super::BackendKind::Cpu {
+        anyhow::bail!("train --backend cuda: the CUDA training step is not built yet (see the CUDA backend II issue); train on the CPU");
+    }
+    infomem_engine::util::interrupt::install();
+    let cfg = a.config()?;
+    trainer::check_fresh_out(&cfg.out, a.resume)?;
+    // the run's model and data: from the checkpoint when resuming
+    let run_cfg = if a.resume { trainer::saved_config(&cfg.out)? } else { cfg.clone() };
+    run_cfg.validate()?;
+    let model_dir = run_cfg.model.clone().unwrap();
+    let data_path = run_cfg.data.clone().unwrap();
+    let model = Model::load(&model_dir, CpuBackend::new())?;
+    let (recs, report) = data::read_records(&data_path, ReadOptions { tokenizer: model.tokenizer.as_ref(), ..Default::default() })?;
+    if !report.skipped.is_empty() {
+        eprintln!("{}: skipped {} malformed records", data_path.display(), report.skipped.len());
+    }
+    let queries = recs.iter().map(super::agent::to_query).collect();
+    let mut t = Trainer::new(cfg, a.resume, queries, move |_| Ok(model))?;
+    let pb = progress::bar(t.cfg.steps as u64, "steps");
+    pb.set_position(t.step as u64);
+    eprintln!(
+        "training {} on {} ({} records): {} steps × {} queries × {} rollouts, reward {}, out {}",
+        model_dir.display(),
+        data_path.display(),
+        recs.len(),
+        t.cfg.steps,
+        t.cfg.queries_per_step,
+        t.cfg.group_size,
+        t.cfg.reward.name(),
+        t.cfg.out.display()
+    );
+    let res = t.run(|m| {
+        pb.set_position(m.step as u64);
+        pb.set_message(format!("reward {:.3} success {:.0}% gain {:+.3}", m.reward_mean, 100.0 * m.success_rate, m.gain_mean));
+        pb.println(format!(
+            "step {:>4}: reward {:.3} success {:>5.1}% gain {:+.3} kl {:.4} clip {:.3} | rollout {:.1}s score {:.1}s update {:.1}s ({:.0} train tok/s){}",
+            m.step,
+            m.reward_mean,
+            100.0 * m.success_rate,
+            m.gain_mean,
+            m.kl_mean,
+            m.clip_frac,
+            m.rollout_s,
+            m.score_s,
+            m.update_s,
+            m.train_tokens_per_s,
+            m.skipped.as_ref().map(|s| format!(" [skipped: {s}]")).unwrap_or_default()
+        ));
+    });
+    pb.finish_and_clear();
+    match res {
+        Ok(()) => {
+            eprintln!("done: adapter in {}, metrics in {}, curves in {}", t.cfg.out.join("adapter").display(), t.cfg.out.join("metrics.jsonl").display(), t.cfg.out.join("curves.png").display());
+            Ok(())
+        }
+        Err(e) if infomem_engine::util::interrupt::is_interrupted(&e) => std::process::exit(130),
+        Err(e) => Err(e),
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    /// Base HF model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT LoRA adapter directory.
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// Output HF model directory (model.safetensors in f32, config and tokenizer files copied).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn merge(a: MergeArgs) -> Result<()> {
+    use infomem_engine::model::config::ModelConfig;
+    use infomem_engine::model::lora::LoraAdapter;
+    use infomem_engine::model::weights::ModelWeights;
+    let cfg = ModelConfig::load(&a.model)?;
+    let mut w = ModelWeights::load(&a.model, &cfg)?;
+    let adapter = LoraAdapter::load(&a.adapter, &cfg)?;
+    adapter.merge_into(&mut w, &cfg);
+    if a.out.canonicalize().ok() == a.model.canonicalize().ok() {
+        anyhow::bail!("--out must differ from --model (the base directory is never overwritten)");
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "special_tokens_map.json"] {
+        let src = a.model.join(f);
+        if src.exists() {
+            std::fs::copy(&src, a.out.join(f)).with_context(|| format!("copying {}", src.display()))?;
+        }
+    }
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    write_safetensors(&a.out.join("model.safetensors"), &w.to_hf(&cfg), Some(meta))?;
+    // config last: a directory with config.json is complete
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.model.join("config.json"))?)?;
+    c["torch_dtype"] = json!("float32");
+    c["dtype"] = json!("float32");
+    infomem_engine::util::fs::write_atomic_str(&a.out.join("config.json"), &serde_json::to_string_pretty(&c)?)?;
+    eprintln!("merged {} into {} → {}", a.adapter.display(), a.model.display(), a.out.display());
+    println!("{}", a.out.display());
     Ok(())
 }

@@ -6,7 +6,9 @@ use crate::backend::Backend;
 use crate::model::lora::ALL_PROJS;
 use crate::runtime::backward::LoraGrads;
 use crate::runtime::Model;
+use crate::model::weights::{HostTensor, SafetensorsSet};
 use anyhow::{ensure, Context, Result};
+use std::collections::BTreeMap;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWConfig {
@@ -84,5 +86,40 @@ impl<B: TrainBackend> AdamW<B> {
             }
         }
         Ok(norm)
+    }
+
+    /// The moments as host tensors, keyed by the adapter's PEFT keys plus `.exp_avg` /
+    /// `.exp_avg_sq` (PyTorch's names), for checkpoints.
+    pub fn state_tensors(&self, model: &Model<B>) -> Result<BTreeMap<String, HostTensor>> {
+        let lora = model.lora.as_ref().context("AdamW: the model has no LoRA adapter")?;
+        let mut out = BTreeMap::new();
+        for (l, (mrow, host)) in self.moments.iter().zip(&lora.host.layers).enumerate() {
+            for p in ALL_PROJS {
+                let (Some([ma, va, mb, vb]), Some(pair)) = (&mrow[p.index()], &host[p.index()]) else { continue };
+                for (which, shape, m, v) in [('A', &pair.a.shape, ma, va), ('B', &pair.b.shape, mb, vb)] {
+                    let key = p.peft_key(l, which);
+                    out.insert(format!("{key}.exp_avg"), HostTensor::new(shape.clone(), model.be.download(m)?));
+                    out.insert(format!("{key}.exp_avg_sq"), HostTensor::new(shape.clone(), model.be.download(v)?));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restore moments written by `state_tensors` (every tensor must be present, shapes equal).
+    pub fn load_state(&mut self, model: &Model<B>, set: &SafetensorsSet, step: u64) -> Result<()> {
+        let lora = model.lora.as_ref().context("AdamW: the model has no LoRA adapter")?;
+        for (l, (mrow, host)) in self.moments.iter_mut().zip(&lora.host.layers).enumerate() {
+            for p in ALL_PROJS {
+                let (Some([ma, va, mb, vb]), Some(pair)) = (mrow[p.index()].as_mut(), &host[p.index()]) else { continue };
+                for (which, shape, m, v) in [('A', &pair.a.shape, ma, va), ('B', &pair.b.shape, mb, vb)] {
+                    let key = p.peft_key(l, which);
+                    model.be.write(m, &set.get_f32(&format!("{key}.exp_avg"), Some(shape))?.data)?;
+                    model.be.write(v, &set.get_f32(&format!("{key}.exp_avg_sq"), Some(shape))?.data)?;
+                }
+            }
+        }
+        self.step = step;
+        Ok(())
     }
 }

@@ -396,7 +396,7 @@ pub fn policy_grads<B: TrainBackend, S>(
     let mut dh = be.zeros(m * d)?;
     let head = prof::time("train_head", || be.head_grad(&hn, model.head(), &batch.targets, d, c.vocab, &mut dh))?;
     if let Some(i) = head.logprobs.iter().position(|v| !v.is_finite()) {
-        bail!("log-probability of response token {i} is {} (the model produces non-finite logits)", head.logprobs[i]);
+        bail!(NonFinite(format!("log-probability of response token {i} is {} (the model produces non-finite logits)", head.logprobs[i])));
     }
     let scores = TokenScores { logprobs: batch.split(&head.logprobs), entropy: batch.split(&head.entropy) };
     let (stats, dlogp) = loss(&scores)?;
@@ -479,3 +479,16 @@ fn lora_grad<B: TrainBackend>(
     let (din, dout) = p.dims(&model.cfg);
     prof::time("train_lora_grad", || model.be.lora_bwd(x, a, b, scale, n, din, r, dout, dy, col0, ld, ga, gb, None))
 }
+
+/// A NaN/Inf met in the forward or backward pass. The trainer skips the step on it (the adapter
+/// is left untouched) instead of failing the run.
+#[derive(Debug)]
+pub struct NonFinite(pub String);
+
+impl std::fmt::Display for NonFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NonFinite {}

@@ -113,6 +113,7 @@ pub fn generate<B: Backend>(
             if plan.is_empty() {
                 return Ok(());
             }
+            crate::util::interrupt::check()?;
             // Build entries; sequences are moved out for the step's mutable borrows.
             let mut seqs: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut live[i].req.seq)).collect();
             let toks: Vec<Vec<u32>> = plan
@@ -220,6 +221,7 @@ pub fn prefill<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, items: Vec<(Se
             if plan.is_empty() {
                 return Ok(());
             }
+            crate::util::interrupt::check()?;
             let mut taken: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut seqs[i])).collect();
             let mut entries: Vec<Entry> = plan
                 .iter()
@@ -300,6 +302,7 @@ pub fn score<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, reqs: Vec<ScoreR
             if plan.is_empty() {
                 return Ok(());
             }
+            crate::util::interrupt::check()?;
             let mut taken: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut seqs[i])).collect();
             let mut entries: Vec<Entry> = Vec::new();
             for ((&(i, a, b), seq), _) in plan.iter().zip(taken.iter_mut()).zip(0..) {

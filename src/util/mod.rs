@@ -1,5 +1,6 @@
 //! Small shared helpers: atomic file writes, a seeded RNG, progress bars, JSONL reading, PNG plots.
 pub mod fs;
+pub mod interrupt;
 pub mod plot;
 pub mod prof;
 pub mod progress;

@@ -1,0 +1,126 @@
+//! The trainer on a tiny model with a byte-level tokenizer: a resumed run computes exactly the
+//! step an uninterrupted one computes, checkpoints are complete, a NaN never reaches the
+//! adapter. (Ctrl-C is in tests/train_interrupt.rs: its flag is process-wide.)
+mod common;
+use common::*;
+use infomem_engine::agent::AgentQuery;
+use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::model::lora::LoraAdapter;
+use infomem_engine::model::weights::SafetensorsSet;
+use infomem_engine::reward::RewardMode;
+use infomem_engine::rl::trainer::{latest_checkpoint, StepMetrics, TrainConfig, Trainer};
+use infomem_engine::runtime::Model;
+use std::path::Path;
+
+fn queries() -> Vec<AgentQuery> {
+    (0..5)
+        .map(|i| AgentQuery {
+            id: format!("q{i}"),
+            question: format!("What is code {i}?"),
+            context: format!("Filler words here. The code {i} is {}. More filler after it.", 1000 + i).repeat(1 + i % 2),
+            answers: vec![format!("{}", 1000 + i)],
+        })
+        .collect()
+}
+
+fn config(model: &Path, out: &Path, steps: usize) -> TrainConfig {
+    TrainConfig {
+        model: Some(model.to_path_buf()),
+        data: Some(out.join("unused.jsonl")),
+        out: out.to_path_buf(),
+        lora_r: 4,
+        lora_alpha: 8.0,
+        steps,
+        queries_per_step: 2,
+        group_size: 3,
+        chunk_tokens: 40,
+        memory_tokens: 8,
+        answer_tokens: 4,
+        // the tiny random model's logits are huge: sample hot so groups differ
+        temperature: 8.0,
+        reward: RewardMode::Infomem,
+        kl_coef: 0.05,
+        lr: 5e-3,
+        warmup_steps: 0,
+        micro_batch_tokens: 300,
+        save_every: 1,
+        keep_checkpoints: 3,
+        seed: 3,
+        ..Default::default()
+    }
+}
+
+fn trainer(cfg: TrainConfig, resume: bool, model_dir: &Path) -> Trainer<CpuBackend> {
+    Trainer::new(cfg, resume, queries(), |_| Model::load(model_dir, CpuBackend::new())).unwrap()
+}
+
+fn adapter_bytes(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join("adapter_model.safetensors")).unwrap()
+}
+
+fn metrics(out: &Path) -> Vec<StepMetrics> {
+    std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn resume_gives_the_same_next_step() {
+    let (_t, model) = tiny_with_tokenizer("qwen2");
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+
+    let mut ta = trainer(config(&model, &a, 3), false, &model);
+    ta.run(|_| {}).unwrap();
+    // a second run: 2 steps, then resumed to 3
+    let mut tb = trainer(config(&model, &b, 2), false, &model);
+    tb.run(|_| {}).unwrap();
+    let mut tb = trainer(config(&model, &b, 3), true, &model);
+    assert_eq!(tb.step, 2);
+    tb.run(|_| {}).unwrap();
+
+    assert_eq!(adapter_bytes(&a.join("adapter")), adapter_bytes(&b.join("adapter")), "resumed step 3 differs from the uninterrupted one");
+    let (ma, mb) = (metrics(&a), metrics(&b));
+    assert_eq!(ma.len(), 3);
+    assert_eq!(mb.len(), 3);
+    for (x, y) in ma.iter().zip(&mb) {
+        assert_eq!((x.step, x.reward_mean, x.loss, x.grad_norm), (y.step, y.reward_mean, y.loss, y.grad_norm));
+    }
+    // it learned something: the adapter moved, B is no longer zero
+    let ad = LoraAdapter::load(&a.join("adapter"), &Model::load(&model, CpuBackend::new()).unwrap().cfg).unwrap();
+    let b_norm: f32 = ad.layers.iter().flatten().flatten().map(|p| p.b.data.iter().map(|x| x * x).sum::<f32>()).sum();
+    assert!(b_norm > 0.0, "the adapter was never updated");
+    assert!(ma.iter().all(|m| m.skipped.is_none()), "{:?}", ma.iter().map(|m| &m.skipped).collect::<Vec<_>>());
+    // checkpoints: only complete ones, the newest is the last step, the PNG exists
+    let ck = latest_checkpoint(&a).unwrap();
+    assert!(ck.ends_with("step-000003"));
+    for e in std::fs::read_dir(a.join("checkpoints")).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        assert!(name.starts_with("step-") && e.path().join("state.json").exists(), "stray checkpoint entry {name}");
+        let opt = SafetensorsSet::open_files(&[e.path().join("optimizer.safetensors")]).unwrap();
+        assert!(opt.names().any(|n| n.ends_with("lora_B.weight.exp_avg_sq")));
+    }
+    assert!(a.join("curves.png").exists());
+}
+
+#[test]
+fn nan_never_reaches_the_adapter() {
+    let (_t, model) = tiny_with_tokenizer("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let cfg0 = Model::load(&model, CpuBackend::new()).unwrap().cfg;
+    // an adapter with a NaN: every forward is poisoned
+    let mut ad = LoraAdapter::init(&cfg0, 4, 8.0, &[infomem_engine::model::lora::Proj::Q], 1);
+    ad.layers[0][0].as_mut().unwrap().b.data[0] = f32::NAN;
+    let init = tmp.path().join("nan-adapter");
+    ad.save_peft(&init).unwrap();
+    let mut cfg = config(&model, &out, 2);
+    cfg.init_adapter = Some(init.clone());
+    cfg.reward = RewardMode::Outcome;
+    let mut t = trainer(cfg, false, &model);
+    t.run(|_| {}).unwrap();
+    let ms = metrics(&out);
+    assert!(ms.iter().all(|m| m.skipped.as_deref().is_some_and(|s| s.contains("non-finite"))), "{:?}", ms.iter().map(|m| &m.skipped).collect::<Vec<_>>());
+    assert_eq!(adapter_bytes(&out.join("adapter")).len(), adapter_bytes(&init).len());
+    let after = LoraAdapter::load(&out.join("adapter"), &cfg0).unwrap();
+    let (a0, a1) = (&ad.layers[0][0].as_ref().unwrap().a.data, &after.layers[0][0].as_ref().unwrap().a.data);
+    assert_eq!(a0, a1, "a skipped step must leave the adapter as it was");
+}
