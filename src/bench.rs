@@ -72,3 +72,45 @@ pub fn run_decode<B: Backend>(model: &Model<B>, s: BenchShape, seed: u64) -> Res
     anyhow::ensure!(n == s.batch * s.new_tokens, "decode produced {n} tokens");
     Ok((n, secs))
 }
+
+/// The memory agent's generation pattern (as `tools/bench_torch.py --work rollout`): `batch`
+/// rollouts read `chunks` sections of `seq_len` tokens; per section, prompt = [section (the same
+/// for all rollouts) + that rollout's memory], then `new_tokens` greedy tokens (EOS ignored)
+/// become the next memory. Here the section is prefilled once and forked (the shared prefix of
+/// DESIGN.md §3); PyTorch prefills it once per rollout. Returns (generated tokens, seconds).
+pub fn run_rollout<B: Backend>(model: &Model<B>, s: BenchShape, chunks: usize, seed: u64) -> Result<(usize, f64)> {
+    anyhow::ensure!(s.seq_len >= 2 && chunks >= 1, "rollout: sections of at least 2 tokens, at least one chunk");
+    let mut rng = Rng::new(seed);
+    let sections: Vec<Vec<u32>> = (0..chunks).map(|_| random_ids(&mut rng, s.seq_len, model.cfg.vocab)).collect();
+    let per_seq = s.seq_len + s.new_tokens + 2 * model.page_size;
+    let mut kv = runtime::kv_for(model, (s.batch + 1) * per_seq)?;
+    let opts = SchedOptions { max_batch_tokens: s.seq_len.max(2048) };
+    let mut memories: Vec<Vec<u32>> = vec![vec![]; s.batch];
+    let mut generated = 0;
+    let t = Instant::now();
+    for sec in &sections {
+        let (head, last) = sec.split_at(sec.len() - 1);
+        let prefix = runtime::prefill(model, &mut kv, vec![(Seq::default(), head.to_vec())], opts)?.remove(0);
+        let reqs: Vec<GenRequest> = (0..s.batch)
+            .map(|i| GenRequest {
+                seq: kv.fork(&prefix),
+                feed: last.iter().chain(&memories[i]).copied().collect(),
+                max_new: s.new_tokens,
+                params: SampleParams::GREEDY,
+                rng: Rng::derive(seed, i as u64),
+                stop_ids: vec![],
+                stop_strings: vec![],
+                keep_seq: false,
+            })
+            .collect();
+        kv.release(&model.be, prefix);
+        let outs = runtime::generate(model, &mut kv, reqs, opts, |_| {})?;
+        for (m, o) in memories.iter_mut().zip(outs) {
+            generated += o.new_ids.len();
+            *m = o.new_ids;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    anyhow::ensure!(generated == s.batch * chunks * s.new_tokens, "rollout generated {generated} tokens");
+    Ok((generated, secs))
+}

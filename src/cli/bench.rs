@@ -14,6 +14,9 @@ pub enum Work {
     /// LoRA r16 (α 32) on all 7 projections, GRPO token loss on the last 128 tokens of each
     /// sequence, one forward + backward (CPU backend).
     Train,
+    /// The memory agent's pattern: --batch rollouts over --chunks sections of --seq-len tokens,
+    /// --new-tokens of memory generated per section (shared section prefix).
+    Rollout,
 }
 
 #[derive(Args, Debug)]
@@ -36,6 +39,9 @@ pub struct BenchArgs {
     /// `decode`: new tokens per sequence (default: 128).
     #[arg(long)]
     pub new_tokens: Option<usize>,
+    /// `rollout`: sections read per rollout (default: 8).
+    #[arg(long)]
+    pub chunks: Option<usize>,
     /// Timed repetitions (the best is reported); one untimed warm-up run precedes them.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
@@ -59,6 +65,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     crate::with_model!(a.model, |model| {
         match a.work {
             Work::Score => measure(&model, &a, BenchShape::SCORE, |s, seed| bench::run_score(&model, s, seed)),
+            Work::Rollout => {
+                let chunks = a.chunks.unwrap_or(8);
+                let base = BenchShape { batch: 16, seq_len: 2048, score_last: 0, new_tokens: 512 };
+                // the untimed warm-up (seed 1) reads one section only
+                measure(&model, &a, base, |s, seed| bench::run_rollout(&model, s, if seed == 1 { 1 } else { chunks }, seed))
+            }
             _ => measure(&model, &a, BenchShape::DECODE, |s, seed| bench::run_decode(&model, s, seed)),
         }
     })
@@ -82,7 +94,7 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
         Work::Score | Work::Train if shape.score_last == 0 || shape.score_last >= shape.seq_len => {
             bail!("--score-last must be in 1..{} (below --seq-len)", shape.seq_len)
         }
-        Work::Decode if shape.new_tokens == 0 => bail!("--new-tokens must be at least 1"),
+        Work::Decode | Work::Rollout if shape.new_tokens == 0 => bail!("--new-tokens must be at least 1"),
         _ => {}
     }
     // warm-up: same shapes, fewer sequences

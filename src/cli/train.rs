@@ -221,7 +221,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let res = t.run(|m| {
         pb.set_position(m.step as u64);
         pb.set_message(format!("reward {:.3} success {:.0}% gain {:+.3}", m.reward_mean, 100.0 * m.success_rate, m.gain_mean));
-        pb.println(format!(
+        let line = format!(
             "step {:>4}: reward {:.3} success {:>5.1}% gain {:+.3} kl {:.4} clip {:.3} | rollout {:.1}s score {:.1}s update {:.1}s ({:.0} train tok/s){}",
             m.step,
             m.reward_mean,
@@ -234,7 +234,13 @@ pub fn train(a: TrainArgs) -> Result<()> {
             m.update_s,
             m.train_tokens_per_s,
             m.skipped.as_ref().map(|s| format!(" [skipped: {s}]")).unwrap_or_default()
-        ));
+        );
+        // without a terminal the bar is hidden: the step lines still go to the log
+        if pb.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            pb.println(line);
+        }
     });
     pb.finish_and_clear();
     match res {

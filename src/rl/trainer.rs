@@ -259,7 +259,10 @@ pub struct StepMetrics {
     pub grad_norm: Option<f64>,
     pub skipped: Option<String>,
     pub gen_tokens: usize,
+    /// Prompt + response tokens of all conversations, and of those that went through the
+    /// forward/backward (advantage ≠ 0 or a KL term).
     pub train_tokens: usize,
+    pub trained_tokens: usize,
     pub response_tokens: usize,
     #[serde(deserialize_with = "f64_or_nan")]
     pub gen_tokens_per_s: f64,
@@ -454,6 +457,13 @@ impl<B: TrainBackend> Trainer<B> {
         m.response_tokens = response_tokens;
         m.train_tokens = convs.iter().map(|c| c.prompt.len() + c.response.len()).sum();
         let gcfg = GrpoConfig { eps_low: self.cfg.clip_low, eps_high: self.cfg.clip_high, kl_coef: self.cfg.kl_coef, token_norm: response_tokens };
+        // Without a KL term, a conversation with advantage 0 adds exactly nothing to the
+        // gradient (its tokens still count in the token mean N): skip its forward/backward.
+        // Groups whose rollouts all got the same reward are the common case early on.
+        if self.cfg.kl_coef == 0.0 {
+            convs.retain(|c| c.advantage != 0.0);
+        }
+        m.trained_tokens = convs.iter().map(|c| c.prompt.len() + c.response.len()).sum();
         let mut total = GrpoStats::default();
         let mut grads: Option<LoraGrads<B>> = None;
         let (mut kl_w, mut ent_w) = (0.0, 0.0);
@@ -487,6 +497,7 @@ impl<B: TrainBackend> Trainer<B> {
         m.entropy = ent_w / total.response_tokens.max(1) as f64;
         match grads {
             _ if m.skipped.is_some() => {}
+            None if response_tokens > 0 => m.skipped = Some("every group's rewards were equal: no learning signal (advantages all 0)".into()),
             None => m.skipped = Some("no generated tokens in the batch".into()),
             Some(g) => {
                 let norm2 = g.sum_squares(&self.model.be)?;
@@ -504,7 +515,7 @@ impl<B: TrainBackend> Trainer<B> {
             eprintln!("step {}: skipped update: {why}", s + 1);
         }
         m.update_s = t_up.elapsed().as_secs_f64();
-        m.train_tokens_per_s = m.train_tokens as f64 / m.update_s.max(1e-9);
+        m.train_tokens_per_s = m.trained_tokens as f64 / m.update_s.max(1e-9);
         m.step_s = t_step.elapsed().as_secs_f64();
         // the step is complete: commit the data position
         self.cursor = next_cursor;

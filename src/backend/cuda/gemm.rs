@@ -1,12 +1,19 @@
-//! Row-major GEMMs through cuBLASLt: `y[m, n] = alpha · x[m, k] · w[n, k]ᵀ + beta · y`, bf16 inputs,
-//! f32 accumulation (CUBLAS_COMPUTE_32F), y in f32 or bf16.
+//! Row-major GEMMs through cuBLASLt: `y[m, n] = alpha · X[m, k] · W[n, k]ᵀ + beta · y`, bf16
+//! inputs, f32 accumulation (CUBLAS_COMPUTE_32F), y in f32 or bf16. `X` is `x` stored `[m, k]`,
+//! or (`xt`) `xᵀ` with `x` stored `[k, m]`; `W` is `w` stored `[n, k]`, or (`wt`) `wᵀ` with `w`
+//! stored `[k, n]` — the transposed forms serve the backward (`dx = dy·W`, `dA = duᵀ·x`, ...).
 //!
 //! The row-major trick: a row-major `[r, c]` matrix is a column-major `[c, r]` one. So
-//! `yᵀ [n, m] = w [n, k] · xᵀ [k, m]` in column-major terms, i.e. cuBLASLt's
-//! `D (n × m, ld ldy) = op(A) · op(B)` with `A = w` seen as column-major `k × n` (ld ldw) and
-//! `op = T`, and `B = x` seen as column-major `k × m` (ld ldx) and `op = N` — the "TN" layout,
-//! the best supported one. The LoRA delta uses the same call with `beta = 1` and a pointer into a
-//! column slice of `y` (ld = the full row width).
+//! `yᵀ [n, m] = W [n, k] · Xᵀ [k, m]` in column-major terms, i.e. cuBLASLt's
+//! `D (n × m, ld ldy) = op(A) · op(B)` with `A = w`, `B = x`:
+//! - `w` stored `[n, k]` is column-major `k × n` (ld ldw): `op(A) = T`; stored `[k, n]` (`wt`) it
+//!   is column-major `n × k`: `op(A) = N`;
+//! - `x` stored `[m, k]` is column-major `k × m` (ld ldx): `op(B) = N`; stored `[k, m]` (`xt`) it
+//!   is column-major `m × k`: `op(B) = T`.
+//! The forward's plain case is "TN", the best supported one. The LoRA delta uses the same call
+//! with `beta = 1` and a pointer into a column slice of `y` (ld = the full row width).
+//! [`describe`] is this mapping as data; a CPU emulation of cuBLASLt's column-major semantics
+//! checks it for every transpose combination (tests below).
 //!
 //! Descriptors, layouts and the heuristic's algorithm are cached per shape (a decode step repeats
 //! the same handful of shapes every layer). The heuristic is told the real alignment of every
@@ -29,6 +36,8 @@ struct Key {
     ldw: usize,
     ldy: usize,
     y_bf16: bool,
+    xt: bool,
+    wt: bool,
     align: [u32; 3],
 }
 
@@ -99,6 +108,50 @@ pub struct GemmArgs {
     pub y_bf16: bool,
     pub alpha: f32,
     pub beta: f32,
+    /// `x` is stored `[k, m]` (the product uses its transpose).
+    pub xt: bool,
+    /// `w` is stored `[k, n]` (the product uses its transpose).
+    pub wt: bool,
+}
+
+/// A column-major matrix layout: rows, columns, leading dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+}
+
+/// cuBLASLt's view of a row-major GEMM (see the module comment): `D = op(A)·op(B)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LtDesc {
+    /// op(A) = Aᵀ
+    pub trans_a: bool,
+    /// op(B) = Bᵀ
+    pub trans_b: bool,
+    /// A = w
+    pub a: Layout,
+    /// B = x
+    pub b: Layout,
+    /// C = D = y
+    pub c: Layout,
+}
+
+/// The column-major description of `g`, or why the shapes are inconsistent.
+#[allow(clippy::too_many_arguments)]
+pub fn describe(m: usize, n: usize, k: usize, ldx: usize, ldw: usize, ldy: usize, xt: bool, wt: bool) -> Result<LtDesc> {
+    // row lengths of the stored row-major matrices
+    let (x_row, w_row) = (if xt { m } else { k }, if wt { n } else { k });
+    if k == 0 || ldx < x_row || ldw < w_row || ldy < n {
+        bail!("gemm: bad shape m {m} n {n} k {k} (ld x {ldx} w {ldw} y {ldy}, x{} w{})", if xt { "ᵀ" } else { "" }, if wt { "ᵀ" } else { "" });
+    }
+    Ok(LtDesc {
+        trans_a: !wt,
+        trans_b: xt,
+        a: if wt { Layout { rows: n, cols: k, ld: ldw } } else { Layout { rows: k, cols: n, ld: ldw } },
+        b: if xt { Layout { rows: m, cols: k, ld: ldx } } else { Layout { rows: k, cols: m, ld: ldx } },
+        c: Layout { rows: n, cols: m, ld: ldy },
+    })
 }
 
 impl Gemm {
@@ -114,9 +167,7 @@ impl Gemm {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
-        if g.k == 0 || g.ldx < g.k || g.ldw < g.k || g.ldy < g.n {
-            bail!("gemm: bad shape m {} n {} k {} (ld x {} w {} y {})", g.m, g.n, g.k, g.ldx, g.ldw, g.ldy);
-        }
+        describe(g.m, g.n, g.k, g.ldx, g.ldw, g.ldy, g.xt, g.wt)?;
         let key = Key {
             m: g.m,
             n: g.n,
@@ -125,6 +176,8 @@ impl Gemm {
             ldw: g.ldw,
             ldy: g.ldy,
             y_bf16: g.y_bf16,
+            xt: g.xt,
+            wt: g.wt,
             align: [alignment(g.x), alignment(g.w), alignment(g.y)],
         };
         let mut plans = self.plans.lock().unwrap();
@@ -160,21 +213,22 @@ impl Gemm {
     unsafe fn make_plan(&self, key: &Key) -> Result<Plan> {
         use lt::cublasLtMatmulDescAttributes_t as D;
         use lt::cublasLtMatmulPreferenceAttributes_t as P;
+        let d = describe(key.m, key.n, key.k, key.ldx, key.ldw, key.ldy, key.xt, key.wt)?;
         let bf16 = lt::cudaDataType::CUDA_R_16BF;
         let ytype = if key.y_bf16 { bf16 } else { lt::cudaDataType::CUDA_R_32F };
         let mut desc = std::ptr::null_mut();
         check(lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, lt::cudaDataType::CUDA_R_32F), "desc")?;
         let mut plan = Plan { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), cd: std::ptr::null_mut(), algo: std::mem::zeroed() };
         // cublasOperation_t values (an int32 attribute): CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
-        let ta: i32 = 1;
-        let tb: i32 = 0;
+        let ta: i32 = d.trans_a as i32;
+        let tb: i32 = d.trans_b as i32;
         let sz = std::mem::size_of::<i32>();
         check(lt::cublasLtMatmulDescSetAttribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &ta as *const _ as *const c_void, sz), "transa")?;
         check(lt::cublasLtMatmulDescSetAttribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const _ as *const c_void, sz), "transb")?;
-        // A = w: column-major k × n; B = x: column-major k × m; C = D = y: column-major n × m.
-        check(lt::cublasLtMatrixLayoutCreate(&mut plan.a, bf16, key.k as u64, key.n as u64, key.ldw as i64), "layout A")?;
-        check(lt::cublasLtMatrixLayoutCreate(&mut plan.b, bf16, key.k as u64, key.m as u64, key.ldx as i64), "layout B")?;
-        check(lt::cublasLtMatrixLayoutCreate(&mut plan.cd, ytype, key.n as u64, key.m as u64, key.ldy as i64), "layout C/D")?;
+        // A = w, B = x, C = D = y, column-major as `describe` says.
+        check(lt::cublasLtMatrixLayoutCreate(&mut plan.a, bf16, d.a.rows as u64, d.a.cols as u64, d.a.ld as i64), "layout A")?;
+        check(lt::cublasLtMatrixLayoutCreate(&mut plan.b, bf16, d.b.rows as u64, d.b.cols as u64, d.b.ld as i64), "layout B")?;
+        check(lt::cublasLtMatrixLayoutCreate(&mut plan.cd, ytype, d.c.rows as u64, d.c.cols as u64, d.c.ld as i64), "layout C/D")?;
         let mut pref = std::ptr::null_mut();
         check(lt::cublasLtMatmulPreferenceCreate(&mut pref), "preference")?;
         let ws = WORKSPACE_BYTES as u64;
@@ -195,13 +249,15 @@ impl Gemm {
             )?;
             if count == 0 {
                 bail!(
-                    "cuBLASLt has no algorithm for m {} n {} k {} (ld {} {} {}, alignments {:?}, y {})",
+                    "cuBLASLt has no algorithm for m {} n {} k {} (ld {} {} {}, x{} w{}, alignments {:?}, y {})",
                     key.m,
                     key.n,
                     key.k,
                     key.ldx,
                     key.ldw,
                     key.ldy,
+                    if key.xt { "ᵀ" } else { "" },
+                    if key.wt { "ᵀ" } else { "" },
                     key.align,
                     if key.y_bf16 { "bf16" } else { "f32" }
                 );
@@ -216,12 +272,78 @@ impl Gemm {
 
 #[cfg(test)]
 mod tests {
-    use super::alignment;
+    use super::*;
+    use crate::util::rng::Rng;
+
     #[test]
     fn alignment_is_the_lowest_set_bit_capped() {
         assert_eq!(alignment(0x1000), 256);
         assert_eq!(alignment(0x1004), 4);
         assert_eq!(alignment(0x1010), 16);
         assert_eq!(alignment(0x1002), 2);
+    }
+
+    /// cuBLASLt's definition, column-major: element (i, j) of a layout lives at `i + j·ld`;
+    /// `D(i, j) = alpha·Σ_l op(A)(i, l)·op(B)(l, j) + beta·C(i, j)`, op(M)(i, l) = M(l, i) when
+    /// transposed. `a`, `b`, `c` are the buffers the device pointers address (a column slice is
+    /// an offset into `c`).
+    fn lt_emulate(d: &LtDesc, alpha: f32, beta: f32, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let (rows, cols) = (d.c.rows, d.c.cols);
+        let inner = if d.trans_a { d.a.rows } else { d.a.cols };
+        let at = |i: usize, l: usize| if d.trans_a { a[l + i * d.a.ld] } else { a[i + l * d.a.ld] };
+        let bt = |l: usize, j: usize| if d.trans_b { b[j + l * d.b.ld] } else { b[l + j * d.b.ld] };
+        // op(A) must be rows × inner and op(B) inner × cols
+        assert_eq!(if d.trans_a { d.a.cols } else { d.a.rows }, rows);
+        assert_eq!(if d.trans_b { d.b.cols } else { d.b.rows }, inner);
+        assert_eq!(if d.trans_b { d.b.rows } else { d.b.cols }, cols);
+        for j in 0..cols {
+            for i in 0..rows {
+                let s: f64 = (0..inner).map(|l| at(i, l) as f64 * bt(l, j) as f64).sum();
+                let o = i + j * d.c.ld;
+                c[o] = (alpha as f64 * s + beta as f64 * c[o] as f64) as f32;
+            }
+        }
+    }
+
+    /// Every transpose combination, with padded leading dimensions and a column-slice output,
+    /// computes the row-major product the module comment promises.
+    #[test]
+    fn describe_matches_row_major_products() {
+        let mut rng = Rng::new(9);
+        let mut r = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        for &(m, n, k) in &[(5usize, 3usize, 7usize), (1, 16, 4), (9, 1, 2), (16, 896, 16)] {
+            for xt in [false, true] {
+                for wt in [false, true] {
+                    let (ldx, ldw, col0, ldy) = ((if xt { m } else { k }) + 3, (if wt { n } else { k }) + 1, 2, n + 5);
+                    let x = r(if xt { k } else { m } * ldx);
+                    let w = r(if wt { k } else { n } * ldw);
+                    let y0 = r(m * ldy);
+                    let (alpha, beta) = (0.5f32, 1.0f32);
+                    let d = describe(m, n, k, ldx, ldw, ldy, xt, wt).unwrap();
+                    let mut got = y0.clone();
+                    // the output pointer addresses column col0 of row 0 (n + col0 <= ldy)
+                    assert!(col0 + n <= ldy);
+                    lt_emulate(&d, alpha, beta, &w, &x, &mut got[col0..]);
+                    for i in 0..m {
+                        for jj in 0..ldy {
+                            let want = if (col0..col0 + n).contains(&jj) {
+                                let j = jj - col0;
+                                let xv = |l: usize| if xt { x[l * ldx + i] } else { x[i * ldx + l] };
+                                let wv = |l: usize| if wt { w[l * ldw + j] } else { w[j * ldw + l] };
+                                let s: f64 = (0..k).map(|l| xv(l) as f64 * wv(l) as f64).sum();
+                                (alpha as f64 * s + beta as f64 * y0[i * ldy + jj] as f64) as f32
+                            } else {
+                                y0[i * ldy + jj]
+                            };
+                            let g = got[i * ldy + jj];
+                            assert!((g - want).abs() <= 1e-5 * (1.0 + want.abs()), "m{m} n{n} k{k} xt {xt} wt {wt} ({i}, {jj}): {g} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(describe(2, 3, 4, 3, 4, 3, false, false).is_err(), "ldx < k");
+        assert!(describe(2, 3, 4, 2, 3, 3, true, true).is_ok());
+        assert!(describe(2, 3, 4, 2, 2, 3, true, true).is_err(), "ldw < n when w is stored [k, n]");
     }
 }

@@ -18,13 +18,36 @@
 //! **KV cache.** One preallocated bf16 pool `[page][layer][k|v][kv_head][page_size][head_dim]`
 //! (`kv_new` allocates all of it); copy-on-write of a page is one contiguous device copy.
 //!
+//! **Training** (`TrainBackend`, in `train.rs`; kernels `attention_dense.cu`, `attention_bwd.cu`,
+//! `norm_bwd.cu`, `rope_bwd.cu`, `swiglu_bwd.cu`, `head_bwd.cu`, `rows.cu`, `optim.cu`):
+//! - gradients are **f32** buffers (every `zeros` is f32); an f32 gradient that feeds a GEMM is
+//!   rounded to bf16 on the way in (as PyTorch's bf16 autocast does), accumulation stays f32;
+//! - LoRA parameters are **f32 masters with a bf16 shadow**: the first `adamw` on a bf16 buffer
+//!   widens it to f32 and keeps the bf16 bytes as its shadow; the AdamW kernel then writes both
+//!   (an lr·1e-4 update would vanish in bf16's 8-bit significand). Ops that read a weight
+//!   (`weight_ptr`) read the shadow of an f32 master; `write` refreshes both;
+//! - `lora_merge` is **lazy**: instead of rounding `W + scale·B·A` to bf16 (which would drop a
+//!   young adapter's delta below W's half-ulp), the merged copy keeps `W` in bf16 plus a list of
+//!   pending LoRA terms (device pointers to the pair's bf16 A and B). `matmul` applies them as
+//!   `y += scale·(x Aᵀ) Bᵀ` in f32 (exactly the rollout's `lora` op), `matmul_dx` as
+//!   `dx += scale·(dy B) A`, `download` materializes them on the host. Any write to the buffer
+//!   (`touch`) drops the terms, and any other weight reader refuses a buffer that has some; the
+//!   runtime re-merges each layer right before using it, so the pointers are always the live
+//!   adapter's;
+//! - memory: allocations come from the device's default stream-ordered pool, with its release
+//!   threshold raised to "never" at start, so what one phase frees (the rollout's KV cache) is
+//!   reused by the next (the update's activations) without going back to the driver; see
+//!   `memory.rs` for the footprint model and the "what would fit" error.
+//!
 //! **Streams and metadata.** Everything runs in order on one stream. Small per-call host data
 //! (token ids, positions, slots, page tables) is uploaded through a per-kind cache that skips
 //! the upload when the bytes equal the previous call's: a step passes the same positions, slots
 //! and attention tables to every layer, so only the first layer pays for the copy.
 pub mod attn;
 pub mod gemm;
+pub mod memory;
 pub mod reference;
+pub mod train_attn;
 
 mod kernels {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -65,17 +88,52 @@ pub struct CudaBuf {
     mem: CudaSlice<u8>,
     len: usize,
     dtype: Dtype,
+    /// bf16 copy of an f32 parameter (see "Training" above); only `adamw` and `write` keep it.
+    shadow: Option<CudaSlice<u8>>,
+    /// LoRA pairs folded lazily into this bf16 weight by `lora_merge` (see "Training" above).
+    terms: Vec<LoraTerm>,
+}
+
+/// `w[row0 + o, :] += scale · Σ_j b[o, j]·a[j, :]` pending on a merged weight (`w` rows of `k`);
+/// `a`, `b` are device addresses of bf16 `[r, k]` and `[n_out, r]`.
+#[derive(Clone, Copy, Debug)]
+struct LoraTerm {
+    row0: usize,
+    a: u64,
+    b: u64,
+    scale: f32,
+    k: usize,
+    r: usize,
+    n_out: usize,
 }
 
 impl CudaBuf {
+    fn new(mem: CudaSlice<u8>, len: usize, dtype: Dtype) -> Self {
+        CudaBuf { mem, len, dtype, shadow: None, terms: Vec::new() }
+    }
     fn ptr(&self) -> u64 {
         dptr(&self.mem)
     }
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }
+    /// Whether this buffer is an f32 master with a bf16 shadow (an optimized parameter).
+    pub fn has_shadow(&self) -> bool {
+        self.shadow.is_some()
+    }
+    /// Pending LoRA terms (a lazily merged weight).
+    pub fn pending_lora_terms(&self) -> usize {
+        self.terms.len()
+    }
+    /// The buffer's content is about to change by an op other than `adamw` / `write`: the bf16
+    /// shadow and the pending LoRA terms no longer describe it.
+    fn touch(&mut self) {
+        self.shadow = None;
+        self.terms.clear();
+    }
     /// Declare that an op writes `n` elements of `dtype` into this buffer.
     fn set_output(&mut self, n: usize, dtype: Dtype, op: &str) -> Result<()> {
+        self.touch();
         ensure!(
             n <= self.len && n * dtype.size() <= self.mem.len(),
             "cuda {op}: output of {n} {} elements does not fit a buffer of {} elements ({} bytes)",
@@ -131,6 +189,33 @@ const KERNEL_NAMES: &[(&str, &[&str])] = &[
         &["embed_bf16", "gather_rows_b16", "gather_rows_b32", "f32_to_bf16", "add_bias_bf16", "add_bias_f32", "kv_store_f32", "kv_store_bf16"],
     ),
     ("logprob", &["logprob_tile"]),
+    ("head_bwd", &["head_probs_tile", "head_grad_finish"]),
+    ("norm_bwd", &["rmsnorm_bwd_f32_f32", "rmsnorm_bwd_f32_bf16", "rmsnorm_bwd_bf16_f32", "rmsnorm_bwd_bf16_bf16"]),
+    ("rope_bwd", &["rope_bwd_f32", "rope_bwd_bf16"]),
+    ("swiglu_bwd", &["swiglu_bwd_f32_f32", "swiglu_bwd_f32_bf16", "swiglu_bwd_bf16_f32", "swiglu_bwd_bf16_bf16"]),
+    ("rows", &["scale_rows_f32", "scatter_add_rows_f32", "scatter_add_rows_bf16"]),
+    ("optim", &["sum_squares_f32", "sum_squares_bf16", "scale_f32", "adamw_f32", "widen_bf16"]),
+    (
+        "attention_dense",
+        &["attn_dense_fwd_hd16", "attn_dense_fwd_hd32", "attn_dense_fwd_hd64", "attn_dense_fwd_hd128"],
+    ),
+    (
+        "attention_bwd",
+        &[
+            "attn_bwd_prep_bf16_f32",
+            "attn_bwd_prep_bf16_bf16",
+            "attn_bwd_prep_f32_f32",
+            "attn_bwd_prep_f32_bf16",
+            "attn_dense_dq_hd16",
+            "attn_dense_dq_hd32",
+            "attn_dense_dq_hd64",
+            "attn_dense_dq_hd128",
+            "attn_dense_dkdv_hd16",
+            "attn_dense_dkdv_hd32",
+            "attn_dense_dkdv_hd64",
+            "attn_dense_dkdv_hd128",
+        ],
+    ),
     ("sample", &["sample_f32", "sample_bf16"]),
     (
         "attention",
@@ -196,7 +281,15 @@ pub struct CudaBackend {
 /// Launch a kernel of `$be` by name. Arguments must be locals (their addresses are passed) whose
 /// Rust types match the kernel's C types: u64 for pointers, i32 for int, i64 for long long, f32.
 macro_rules! launch {
-    ($be:expr, $name:expr, $grid:expr, $block:expr, $($arg:ident),* $(,)?) => {{
+    ($be:expr, $name:expr, $grid:expr, $block:expr, $($arg:ident),* $(,)?) => {
+        launch_dyn!($be, $name, $grid, $block, 0u32, $($arg),*)
+    };
+}
+
+/// `launch!` with `$smem` bytes of dynamic shared memory (kernels that declare
+/// `extern __shared__`; more than 48 KiB needs the attribute set in `CudaBackend::new`).
+macro_rules! launch_dyn {
+    ($be:expr, $name:expr, $grid:expr, $block:expr, $smem:expr, $($arg:ident),* $(,)?) => {{
         let name: &str = $name;
         let f = $be.func(name)?;
         let mut args: Vec<*mut c_void> = vec![$( &$arg as *const _ as *mut c_void ),*];
@@ -205,7 +298,7 @@ macro_rules! launch {
                 f.cu_function(),
                 ($grid as u32, 1, 1),
                 ($block as u32, 1, 1),
-                0,
+                $smem as u32,
                 $be.stream.cu_stream(),
                 &mut args,
             )
@@ -213,6 +306,8 @@ macro_rules! launch {
         .map_err(|e| anyhow!("cuda: launching {name} failed: {e:?}"))
     }};
 }
+
+mod train;
 
 fn to_bf16_bits(data: &[f32]) -> Vec<u16> {
     let mut out = vec![0u16; data.len()];
@@ -288,6 +383,16 @@ impl CudaBackend {
                 funcs.insert(name, f);
             }
         }
+        // The dense attention backward's dK/dV kernel carves its tiles from dynamic shared memory
+        // (up to ~69 KiB at head_dim 128, over the 48 KiB a launch gets without asking).
+        for hd in HEAD_DIMS {
+            let name = format!("attn_dense_dkdv_hd{hd}");
+            let f = funcs.get(name.as_str()).with_context(|| format!("kernel {name} missing"))?;
+            let bytes = train_attn::dkdv_smem_bytes(hd) as i32;
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+                .map_err(|e| anyhow!("cuda: allowing {bytes} bytes of dynamic shared memory for {name}: {e:?}"))?;
+        }
+        memory::keep_freed_memory(&ctx)?;
         let gemm = gemm::Gemm::new()?;
         let workspace = stream.alloc_zeros::<u8>(gemm::WORKSPACE_BYTES).map_err(|e| anyhow!("{e:?}"))?;
         Ok(CudaBackend {
@@ -321,8 +426,24 @@ impl CudaBackend {
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
-        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }
-            .map_err(|e| anyhow!("cuda: allocating {:.1} MiB failed: {e:?}", bytes as f64 / (1u64 << 20) as f64))
+        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(|e| self.alloc_error(bytes, e))
+    }
+
+    /// An allocation failed: say how much was asked and how much the device has.
+    fn alloc_error(&self, bytes: usize, e: cudarc::driver::DriverError) -> anyhow::Error {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        match self.mem_info() {
+            Ok(m) => anyhow!(
+                "cuda: allocating {:.3} GiB failed ({e:?}): {:.2} GiB usable on {} ({:.2} GiB free on the device, {:.2} GiB cached in the pool), {:.2} GiB in total",
+                gib(bytes),
+                gib(m.usable()),
+                self.device,
+                gib(m.free),
+                gib(m.pool_reserved.saturating_sub(m.pool_used)),
+                gib(m.total)
+            ),
+            Err(_) => anyhow!("cuda: allocating {:.3} GiB failed: {e:?}", gib(bytes)),
+        }
     }
 
     fn htod(&self, bytes: &[u8], dst: &mut CudaSlice<u8>) -> Result<()> {
@@ -386,7 +507,7 @@ impl CudaBackend {
             Dtype::F32 => self.htod(bytemuck::cast_slice(data), &mut mem)?,
             Dtype::Bf16 => self.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut mem)?,
         }
-        Ok(CudaBuf { mem, len: data.len(), dtype })
+        Ok(CudaBuf::new(mem, data.len(), dtype))
     }
 
     /// A bf16 view of `x` for a GEMM input: its own pointer, or a converted copy (kept alive by
@@ -405,10 +526,58 @@ impl CudaBackend {
         }
     }
 
+    /// The bf16 device address of a weight: the buffer itself, or the bf16 shadow of an f32
+    /// parameter. A lazily merged weight is refused (only matmul/matmul_dx apply its terms).
     fn weight_ptr(&self, w: &CudaBuf, n: usize, op: &str, what: &str) -> Result<u64> {
-        ensure!(w.dtype == Dtype::Bf16, "cuda {op}: {what} must be bf16 (uploaded weights are)");
+        ensure!(w.terms.is_empty(), "cuda {op}: {what} carries {} pending LoRA terms (lora_merge); only matmul and matmul_dx apply them", w.terms.len());
         w.need(n, op, what)?;
-        Ok(w.ptr())
+        match (w.dtype, &w.shadow) {
+            (Dtype::Bf16, _) => Ok(w.ptr()),
+            (Dtype::F32, Some(sh)) => Ok(dptr(sh)),
+            (Dtype::F32, None) => bail!("cuda {op}: {what} must be bf16 (uploaded weights are)"),
+        }
+    }
+
+    /// `y[:, ..n_out] += t.scale · (x Aᵀ) Bᵀ` for a LoRA term, `x [m, k]` bf16, `y` rows of `ldy`
+    /// (f32 or bf16) starting at the term's first column.
+    fn lora_delta(&self, x: u64, m: usize, t: &LoraTerm, y: u64, ldy: usize, y_bf16: bool) -> Result<()> {
+        // xa [m, r] = x · Aᵀ (bf16: the next GEMM's input)
+        let xa = self.scratch("lora_xa", m * t.r * 2)?;
+        self.gemm(gemm::GemmArgs { m, n: t.r, k: t.k, x, ldx: t.k, w: t.a, ldw: t.k, y: xa, ldy: t.r, y_bf16: true, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
+        self.gemm(gemm::GemmArgs { m, n: t.n_out, k: t.r, x: xa, ldx: t.r, w: t.b, ldw: t.r, y, ldy, y_bf16, alpha: t.scale, beta: 1.0, xt: false, wt: false })
+    }
+
+    /// Host copy of a weight with its pending LoRA terms applied (f32, the value the buffer stands for).
+    fn download_merged(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
+        let mut w: Vec<f32> = self.dtoh::<u16>(buf.ptr(), buf.len)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+        for t in &buf.terms {
+            let a: Vec<f32> = self.dtoh::<u16>(t.a, t.r * t.k)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+            let b: Vec<f32> = self.dtoh::<u16>(t.b, t.n_out * t.r)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+            for o in 0..t.n_out {
+                let row = &mut w[(t.row0 + o) * t.k..(t.row0 + o + 1) * t.k];
+                for j in 0..t.r {
+                    let c = t.scale * b[o * t.r + j];
+                    for (x, &av) in row.iter_mut().zip(&a[j * t.k..(j + 1) * t.k]) {
+                        *x += c * av;
+                    }
+                }
+            }
+        }
+        Ok(w)
+    }
+
+    /// The bf16 base of a weight `[n, k]` for matmul/matmul_dx, which apply pending LoRA terms
+    /// themselves (checked to fit the weight's rows and width).
+    fn base_weight_ptr(&self, w: &CudaBuf, n: usize, k: usize, op: &str) -> Result<u64> {
+        w.need(n * k, op, "the weight")?;
+        for t in &w.terms {
+            ensure!(t.k == k && t.row0 + t.n_out <= n, "cuda {op}: a pending LoRA term (rows {}..{}, width {}) does not fit the weight [{n}, {k}]", t.row0, t.row0 + t.n_out, t.k);
+        }
+        match (w.dtype, &w.shadow) {
+            (Dtype::Bf16, _) => Ok(w.ptr()),
+            (Dtype::F32, Some(sh)) if w.terms.is_empty() => Ok(dptr(sh)),
+            _ => bail!("cuda {op}: the weight must be bf16 (uploaded weights are)"),
+        }
     }
 
     pub fn device_name(&self) -> &str {
@@ -442,11 +611,14 @@ impl Backend for CudaBackend {
     }
     fn zeros(&self, n: usize) -> Result<CudaBuf> {
         let _op = self.enter()?;
-        let mem = self.stream.alloc_zeros::<u8>((n * 4).max(1)).map_err(|e| self.err(&format!("allocating {n} zeros"), e))?;
-        Ok(CudaBuf { mem, len: n, dtype: Dtype::F32 })
+        let mem = self.stream.alloc_zeros::<u8>((n * 4).max(1)).map_err(|e| self.alloc_error(n * 4, e))?;
+        Ok(CudaBuf::new(mem, n, Dtype::F32))
     }
     fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
         let _op = self.enter()?;
+        if !buf.terms.is_empty() {
+            return self.download_merged(buf);
+        }
         Ok(match buf.dtype {
             Dtype::F32 => self.dtoh::<f32>(buf.ptr(), buf.len)?,
             Dtype::Bf16 => self.dtoh::<u16>(buf.ptr(), buf.len)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect(),
@@ -455,8 +627,17 @@ impl Backend for CudaBackend {
     fn write(&self, buf: &mut CudaBuf, data: &[f32]) -> Result<()> {
         let _op = self.enter()?;
         ensure!(buf.len == data.len(), "write: length {} into buffer of {}", data.len(), buf.len);
+        buf.terms.clear();
         match buf.dtype {
-            Dtype::F32 => self.htod(bytemuck::cast_slice(data), &mut buf.mem),
+            Dtype::F32 => {
+                self.htod(bytemuck::cast_slice(data), &mut buf.mem)?;
+                // an f32 parameter keeps its bf16 shadow in step
+                if let Some(mut sh) = buf.shadow.take() {
+                    self.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut sh)?;
+                    buf.shadow = Some(sh);
+                }
+                Ok(())
+            }
             Dtype::Bf16 => self.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut buf.mem),
         }
     }
@@ -475,6 +656,20 @@ impl Backend for CudaBackend {
         ensure!(geom.page_size > 0 && max_pages > 0, "kv_new: empty pool");
         let page_elems = geom.n_layers * 2 * geom.n_kv_heads * geom.page_size * geom.head_dim;
         let bytes = max_pages * page_elems * 2;
+        // say what fits before asking the driver for what cannot
+        if let Ok(m) = self.mem_info() {
+            if bytes > m.usable() {
+                let tokens_fit = m.usable() / (page_elems * 2) * geom.page_size;
+                bail!(
+                    "cuda: the KV cache for {} tokens ({max_pages} pages, {:.2} GiB) does not fit: {:.2} GiB usable on {}; at most {tokens_fit} tokens fit \
+                     (fewer queries or rollouts per batch, or shorter chunks/memories)",
+                    max_pages * geom.page_size,
+                    bytes as f64 / (1u64 << 30) as f64,
+                    m.usable() as f64 / (1u64 << 30) as f64,
+                    self.device
+                );
+            }
+        }
         let pool = self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
             anyhow!("cuda: the KV cache ({max_pages} pages, {:.2} GiB) does not fit on the device: {e:?}", bytes as f64 / (1u64 << 30) as f64)
         })?;
@@ -535,6 +730,7 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
+        resid.touch();
         resid.need(rows * d, "add_rmsnorm", "resid")?;
         delta.need(rows * d, "add_rmsnorm", "delta")?;
         let wp = self.weight_ptr(w, d, "add_rmsnorm", "the norm weight")?;
@@ -548,6 +744,7 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
+        resid.touch();
         resid.need(n, "add", "resid")?;
         delta.need(n, "add", "delta")?;
         let (rp, dp, n64) = (resid.ptr(), delta.ptr(), n as i64);
@@ -560,15 +757,19 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         x.need(m * k, "matmul", "x")?;
-        let wp = self.weight_ptr(w, n * k, "matmul", "the weight")?;
+        let wp = self.base_weight_ptr(w, n, k, "matmul")?;
         out.set_output(m * n, Dtype::F32, "matmul")?;
         let (xp, _keep) = self.bf16_input(x, m * k)?;
         let yp = out.ptr();
-        self.gemm(gemm::GemmArgs { m, n, k, x: xp, ldx: k, w: wp, ldw: k, y: yp, ldy: n, y_bf16: false, alpha: 1.0, beta: 0.0 })?;
+        self.gemm(gemm::GemmArgs { m, n, k, x: xp, ldx: k, w: wp, ldw: k, y: yp, ldy: n, y_bf16: false, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
         if let Some(b) = bias {
             b.need(n, "matmul", "the bias")?;
             let (bp, n32, total) = (b.ptr(), n as i32, (m * n) as i64);
             launch!(self, &format!("add_bias_{}", b.dtype.suffix()), grid_for(m * n, 256), 256, yp, bp, n32, total)?;
+        }
+        // a lazily merged weight: y[:, row0..row0 + n_out] += scale·(x Aᵀ) Bᵀ per pending pair
+        for t in &w.terms {
+            self.lora_delta(xp, m, t, yp + (t.row0 * 4) as u64, n, false)?;
         }
         Ok(())
     }
@@ -579,15 +780,16 @@ impl Backend for CudaBackend {
         }
         ensure!(col0 + n_out <= ld, "cuda lora: columns {col0}..{} beyond rows of {ld}", col0 + n_out);
         x.need(m * k, "lora", "x")?;
+        out.touch();
         out.need(m * ld, "lora", "out")?;
         let ap = self.weight_ptr(a, r * k, "lora", "A")?;
         let bp = self.weight_ptr(b, n_out * r, "lora", "B")?;
         let (xp, _keep) = self.bf16_input(x, m * k)?;
         // xa [m, r] = x · Aᵀ (bf16: the next GEMM's input), then out[:, col0..] += scale · xa · Bᵀ
         let xa = self.scratch("lora_xa", m * r * 2)?;
-        self.gemm(gemm::GemmArgs { m, n: r, k, x: xp, ldx: k, w: ap, ldw: k, y: xa, ldy: r, y_bf16: true, alpha: 1.0, beta: 0.0 })?;
+        self.gemm(gemm::GemmArgs { m, n: r, k, x: xp, ldx: k, w: ap, ldw: k, y: xa, ldy: r, y_bf16: true, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
         let y = out.ptr() + (col0 * out.dtype.size()) as u64;
-        self.gemm(gemm::GemmArgs { m, n: n_out, k: r, x: xa, ldx: r, w: bp, ldw: r, y, ldy: ld, y_bf16: out.dtype == Dtype::Bf16, alpha: scale, beta: 1.0 })
+        self.gemm(gemm::GemmArgs { m, n: n_out, k: r, x: xa, ldx: r, w: bp, ldw: r, y, ldy: ld, y_bf16: out.dtype == Dtype::Bf16, alpha: scale, beta: 1.0, xt: false, wt: false })
     }
     fn rope(&self, qkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         let _op = self.enter()?;
@@ -595,6 +797,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         ensure!(inv_freq.len() * 2 == g.head_dim, "cuda rope: {} frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+        qkv.touch();
         qkv.need(positions.len() * g.qkv_dim(), "rope", "qkv")?;
         let pp = self.meta("positions", bytemuck::cast_slice(positions))?;
         let fp = self.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
@@ -684,7 +887,7 @@ impl Backend for CudaBackend {
             for v0 in (0..vocab).step_by(vt) {
                 let vn = vt.min(vocab - v0);
                 let w = wp + (v0 * d * 2) as u64;
-                self.gemm(gemm::GemmArgs { m: rb, n: vn, k: d, x: hrows, ldx: d, w, ldw: d, y: logits, ldy: vn, y_bf16: false, alpha: 1.0, beta: 0.0 })?;
+                self.gemm(gemm::GemmArgs { m: rb, n: vn, k: d, x: hrows, ldx: d, w, ldw: d, y: logits, ldy: vn, y_bf16: false, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
                 let (vn32, v032, first) = (vn as i32, v0 as i32, (v0 == 0) as i32);
                 launch!(self, "logprob_tile", rb, LP_THREADS, logits, vn32, v032, tp, run_m, run_s, tgt, first)?;
             }

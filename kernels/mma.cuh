@@ -1,0 +1,78 @@
+// Tensor-core and async-copy helpers of the dense (training) attention kernels
+// (attention_dense.cu, attention_bwd.cu). Same primitives as attention.cu, which keeps its own copy.
+//
+// mma.sync m16n8k16 (bf16 × bf16 → f32) fragment ownership, PTX ISA, lane = 4·gid + tq
+// (gid = lane >> 2, tq = lane & 3):
+//   A (16×16, row-major), 4 × b32 (two bf16 each, low half = lower column):
+//     a0 = A[gid][2tq, 2tq+1]      a1 = A[gid+8][2tq, 2tq+1]
+//     a2 = A[gid][2tq+8, 2tq+9]    a3 = A[gid+8][2tq+8, 2tq+9]
+//   B (16×8, "col-major"), 2 × b32:
+//     b0 = B[2tq, 2tq+1][gid]      b1 = B[2tq+8, 2tq+9][gid]
+//   C/D (16×8 f32): c0 = C[gid][2tq]  c1 = C[gid][2tq+1]  c2 = C[gid+8][2tq]  c3 = C[gid+8][2tq+1]
+// Consequences the kernels use:
+//   - a row-major operand X[row][k] in shared memory gives A fragments by 32-bit loads of
+//     &X[gid (+8)][kk·16 + 2tq (+8)];
+//   - B = Yᵀ for a row-major Y[n][k] (e.g. Kᵀ in Q·Kᵀ) gives b0/b1 by 32-bit loads of
+//     &Y[nt·8 + gid][kk·16 + 2tq (+8)];
+//   - B = Y for a row-major Y[k][n] (e.g. V in P·V) needs two 16-bit loads per register:
+//     b0 = {Y[2tq][gid], Y[2tq+1][gid]}, b1 = {Y[2tq+8][gid], Y[2tq+9][gid]};
+//   - the C fragments of n-tiles 2j and 2j+1 are, element for element, the A fragment of k-step
+//     j of the same 16 rows: a0 = (c0,c1) of 2j, a1 = (c2,c3) of 2j, a2 = (c0,c1) of 2j+1,
+//     a3 = (c2,c3) of 2j+1 — so a product's result feeds the next product without shuffles.
+// src/backend/cuda/train_attn.rs emulates these layouts lane by lane on the CPU (tests).
+#pragma once
+#include "common.cuh"
+
+#define DENSE_THREADS 128  // 4 warps
+#define LOG2E_F 1.4426950408889634f
+#define LN2_F 0.6931471805599453f
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// D = A·B + D, A 16×16 bf16 (row), B 16×8 bf16 (col), D 16×8 f32.
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t ld_b32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Two consecutive bf16 of a global row as one register; 0 for a missing (padding) row.
+__device__ __forceinline__ uint32_t ld_row2(const bf16* row, int c) { return row ? ld_b32(row + c) : 0u; }
+
+// The A fragment of k-step j from C fragments c[2j], c[2j+1] (rounded to bf16).
+__device__ __forceinline__ void c_to_a(uint32_t* a, const float* c0, const float* c1) {
+    a[0] = pack_bf16x2(c0[0], c0[1]);
+    a[1] = pack_bf16x2(c0[2], c0[3]);
+    a[2] = pack_bf16x2(c1[0], c1[1]);
+    a[3] = pack_bf16x2(c1[2], c1[3]);
+}
+
+// B fragments for B = Y, Y[k][n] row-major in shared memory with row pitch P (elements), at
+// k-step base row k0 = 16j + 2tq and column n = nt·8 + gid: see the header comment.
+template <int P>
+__device__ __forceinline__ void b_from_rows(const bf16* y, uint32_t& b0, uint32_t& b1) {
+    b0 = pack_raw_bf16x2(y[0], y[P]);
+    b1 = pack_raw_bf16x2(y[8 * P], y[9 * P]);
+}
+
+// Sequence and work item of the dense kernels; must match DenseSeqDev / DenseItem in
+// src/backend/cuda/train_attn.rs (#[repr(C)]).
+struct DenseSeqDev {
+    int row0;  // first row of the sequence in the batch
+    int len;   // rows (= positions 0 .. len)
+};
+struct DenseItem {
+    int seq, kvh, tile, pad;
+};
