@@ -202,9 +202,18 @@ fn hits_stop<B: Backend>(model: &Model<B>, out: &[u32], stops: &[String]) -> boo
     }
 }
 
-/// Read `tokens` into each sequence (no outputs): e.g. a shared prefix before it is forked.
-pub fn prefill<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, items: Vec<(Seq, Vec<u32>)>, opts: SchedOptions) -> Result<Vec<Seq>> {
-    let (mut seqs, feeds): (Vec<Seq>, Vec<Vec<u32>>) = items.into_iter().unzip();
+/// Feed each sequence its tokens in chunks that fit `opts.max_batch_tokens` per step (all
+/// sequences advance together). `want(i, a, b)` says what the chunk `a..b` of sequence `i` should
+/// return; `on_out(i, out)` receives it. On error every sequence is released.
+fn feed_chunks<B: Backend>(
+    model: &Model<B>,
+    kv: &mut KvCache<B>,
+    seqs: &mut Vec<Seq>,
+    feeds: &[Vec<u32>],
+    opts: SchedOptions,
+    want: impl Fn(usize, usize, usize) -> Want,
+    mut on_out: impl FnMut(usize, super::forward::EntryOut),
+) -> Result<()> {
     let mut cursor = vec![0usize; seqs.len()];
     let budget = opts.max_batch_tokens.max(1);
     let res = (|| -> Result<()> {
@@ -222,27 +231,36 @@ pub fn prefill<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, items: Vec<(Se
                 return Ok(());
             }
             crate::util::interrupt::check()?;
+            // sequences are moved out for the step's mutable borrows, and back after it
             let mut taken: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut seqs[i])).collect();
             let mut entries: Vec<Entry> = plan
                 .iter()
                 .zip(taken.iter_mut())
-                .map(|(&(i, a, b), seq)| Entry { seq, tokens: &feeds[i][a..b], want: Want::Nothing })
+                .map(|(&(i, a, b), seq)| Entry { seq, tokens: &feeds[i][a..b], want: want(i, a, b) })
                 .collect();
-            let r = model.step(kv, &mut entries);
+            let outs = model.step(kv, &mut entries);
             drop(entries);
             for (&(i, _, b), s) in plan.iter().zip(taken.drain(..)) {
                 seqs[i] = s;
                 cursor[i] = b;
             }
-            r?;
+            for (&(i, _, _), o) in plan.iter().zip(outs?) {
+                on_out(i, o);
+            }
         }
     })();
-    if let Err(e) = res {
-        for s in seqs {
+    if res.is_err() {
+        for s in seqs.drain(..) {
             kv.release(&model.be, s);
         }
-        return Err(e);
     }
+    res
+}
+
+/// Read `tokens` into each sequence (no outputs): e.g. a shared prefix before it is forked.
+pub fn prefill<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, items: Vec<(Seq, Vec<u32>)>, opts: SchedOptions) -> Result<Vec<Seq>> {
+    let (mut seqs, feeds): (Vec<Seq>, Vec<Vec<u32>>) = items.into_iter().unzip();
+    feed_chunks(model, kv, &mut seqs, &feeds, opts, |_, _, _| Want::Nothing, |_, _| {})?;
     Ok(seqs)
 }
 
@@ -271,7 +289,7 @@ pub fn score<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, reqs: Vec<ScoreR
         }
     }
     // Tokens read per request: context ++ targets[..n-1]; row r predicts fed[r+1].
-    let mut fed: Vec<Vec<u32>> = reqs
+    let fed: Vec<Vec<u32>> = reqs
         .iter()
         .map(|r| r.context.iter().chain(&r.targets[..r.targets.len() - 1]).copied().collect())
         .collect();
@@ -286,54 +304,17 @@ pub fn score<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, reqs: Vec<ScoreR
         seqs.push(r.seq);
     }
     let mut lps: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
-    let mut cursor = vec![0usize; seqs.len()];
-    let budget = opts.max_batch_tokens.max(1);
-    let res = (|| -> Result<()> {
-        loop {
-            let mut plan = Vec::new();
-            let mut used = 0;
-            for i in 0..seqs.len() {
-                if cursor[i] < fed[i].len() && used < budget {
-                    let take = (fed[i].len() - cursor[i]).min(budget - used);
-                    plan.push((i, cursor[i], cursor[i] + take));
-                    used += take;
-                }
-            }
-            if plan.is_empty() {
-                return Ok(());
-            }
-            crate::util::interrupt::check()?;
-            let mut taken: Vec<Seq> = plan.iter().map(|&(i, _, _)| std::mem::take(&mut seqs[i])).collect();
-            let mut entries: Vec<Entry> = Vec::new();
-            for ((&(i, a, b), seq), _) in plan.iter().zip(taken.iter_mut()).zip(0..) {
-                // rows a..b of fed; row r predicts targets[r - (ctx_len - 1)] when r >= ctx_len - 1
-                let first = (ctx_len[i] - 1).max(a);
-                let want = if first < b {
-                    let t0 = first - (ctx_len[i] - 1);
-                    Want::LogProbs { first_row: first - a, targets: targets[i][t0..t0 + (b - first)].to_vec() }
-                } else {
-                    Want::Nothing
-                };
-                entries.push(Entry { seq, tokens: &fed[i][a..b], want });
-            }
-            let outs = model.step(kv, &mut entries);
-            drop(entries);
-            for (&(i, _, b), s) in plan.iter().zip(taken.drain(..)) {
-                seqs[i] = s;
-                cursor[i] = b;
-            }
-            for (&(i, _, _), o) in plan.iter().zip(outs?) {
-                lps[i].extend(o.logprobs);
-            }
+    // rows a..b of fed[i]; row r predicts targets[i][r - (ctx_len - 1)] when r >= ctx_len - 1
+    let want = |i: usize, a: usize, b: usize| {
+        let first = (ctx_len[i] - 1).max(a);
+        if first < b {
+            let t0 = first - (ctx_len[i] - 1);
+            Want::LogProbs { first_row: first - a, targets: targets[i][t0..t0 + (b - first)].to_vec() }
+        } else {
+            Want::Nothing
         }
-    })();
-    fed.clear();
-    if let Err(e) = res {
-        for s in seqs {
-            kv.release(&model.be, s);
-        }
-        return Err(e);
-    }
+    };
+    feed_chunks(model, kv, &mut seqs, &fed, opts, want, |i, o| lps[i].extend(o.logprobs))?;
     Ok(seqs
         .into_iter()
         .zip(lps)

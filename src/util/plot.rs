@@ -115,10 +115,20 @@ fn text_width(s: &str, scale: i64) -> i64 {
 }
 
 fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+    nice_ticks_int(lo, hi, n, false)
+}
+
+/// `integer`: ticks only at whole numbers (steps, chunk indices).
+fn nice_ticks_int(lo: f64, hi: f64, n: usize, integer: bool) -> Vec<f64> {
     let span = (hi - lo).max(1e-12);
     let raw = span / n as f64;
     let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0].iter().map(|m| m * mag).find(|s| span / s <= n as f64).unwrap_or(10.0 * mag);
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .filter(|s| !integer || (s.fract() == 0.0 && *s >= 1.0))
+        .find(|s| span / s <= n as f64)
+        .unwrap_or(if integer { (10.0 * mag).max(1.0).round() } else { 10.0 * mag });
     let mut t = (lo / step).ceil() * step;
     let mut out = vec![];
     while t <= hi + step * 1e-9 {
@@ -184,7 +194,8 @@ impl Chart {
             v.dedup();
             v
         } else {
-            nice_ticks(x0, x1, 8)
+            let integral = pts.iter().all(|p| p.0.fract() == 0.0);
+            nice_ticks_int(x0, x1, 8, integral)
         };
         for t in xt {
             let x = sx(t);

@@ -1,5 +1,6 @@
 //! Shared helpers for the integration tests: fixture paths, the reference data, the SmolLM2 dir.
 #![allow(dead_code)]
+pub mod train;
 use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::model::weights::SafetensorsSet;
 use infomem_engine::runtime::Model;
