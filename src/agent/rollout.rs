@@ -112,6 +112,9 @@ pub struct Conversation {
     /// Log-probabilities of the generated tokens under the sampling policy (temperature 1).
     pub gen_logprobs: Vec<f32>,
     pub finish: Finish,
+    /// Wall time of the batched generation step that produced this conversation (shared by every
+    /// conversation generated in that step: prefill and decode of all live groups at chunk t).
+    pub step_s: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -140,6 +143,8 @@ pub struct Trajectory {
     pub recall: Vec<f64>,
     /// Final reward (set by `reward::assign`).
     pub reward: Option<f64>,
+    /// Wall time of the scoring passes this trajectory took part in (gain, memory curve).
+    pub score_s: f64,
 }
 
 impl Trajectory {
@@ -261,6 +266,7 @@ pub fn rollout<B: Backend>(
                         memory_curve: if cfg.memory_curve { Some(vec![]) } else { None },
                         recall: vec![outcome::word_recall(&templates.empty_memory, &q.answers)],
                         reward: None,
+                        score_s: 0.0,
                     },
                 })
                 .collect()
@@ -395,6 +401,7 @@ pub fn rollout<B: Backend>(
                     gen_ids: o.new_ids.clone(),
                     gen_logprobs: o.logprobs.clone(),
                     finish: o.finish,
+                    step_s: dt,
                 });
                 let golds = &queries[q].answers;
                 if is_final {
@@ -463,7 +470,15 @@ pub fn rollout<B: Backend>(
                 }
             }
             if !reqs.is_empty() {
-                for ((q, i, what), o) in tags.into_iter().zip(runtime::score(model, kv, reqs, opts)?) {
+                let scored = runtime::score(model, kv, reqs, opts)?;
+                let dt = t_sc.elapsed().as_secs_f64();
+                let mut seen = std::collections::HashSet::new();
+                for &(q, i, _) in &tags {
+                    if seen.insert((q, i)) {
+                        states[q][i].traj.score_s += dt;
+                    }
+                }
+                for ((q, i, what), o) in tags.into_iter().zip(scored) {
                     let l = reward::mean_logprob(&o.logprobs);
                     let tr = &mut states[q][i].traj;
                     match what {

@@ -144,30 +144,47 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
         kv.gather(layer, 0, kvh, s.pages, n, &mut kbuf);
         kv.gather(layer, 1, kvh, s.pages, n, &mut vbuf);
         let first_pos = n - s.n_q; // position of the first query row
-        let mut scores = vec![0f32; BQ.min(s.n_q) * n];
-        for qh in kvh * group..(kvh + 1) * group {
-            let mut r0 = 0;
-            while r0 < s.n_q {
-                let bq = BQ.min(s.n_q - r0);
-                let kmax = first_pos + r0 + bq; // keys visible to the block's last row
-                let qptr = unsafe { qkv.as_ptr().add((s.q_row + r0) * width + qh * hd) };
-                let optr = unsafe { outp.get().add((s.q_row + r0) * q_dim + qh * hd) };
-                unsafe {
-                    // S[bq, kmax] = Q[bq, hd] · K[kmax, hd]ᵀ
-                    gemm_raw(bq, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kbuf.as_ptr(), 1, hd as isize, scale, false);
+        // The group's query heads share K and V: stack their rows so each block is one GEMM of
+        // `group·bq` rows (3× larger products than per head).
+        let gq = group * hd;
+        let cap = BQ.min(s.n_q) * group;
+        let mut qg = vec![0f32; cap * hd];
+        let mut og = vec![0f32; cap * hd];
+        let mut scores = vec![0f32; cap * n];
+        let mut r0 = 0;
+        while r0 < s.n_q {
+            let bq = BQ.min(s.n_q - r0);
+            let kmax = first_pos + r0 + bq; // keys visible to the block's last row
+            let m = group * bq;
+            // qg[h·bq + r] = q of head (kvh·group + h) at row r0 + r
+            for r in 0..bq {
+                let src = &qkv[(s.q_row + r0 + r) * width + kvh * gq..][..gq];
+                for h in 0..group {
+                    qg[(h * bq + r) * hd..(h * bq + r + 1) * hd].copy_from_slice(&src[h * hd..(h + 1) * hd]);
                 }
-                for r in 0..bq {
-                    let visible = first_pos + r0 + r + 1;
-                    let row = &mut scores[r * kmax..(r + 1) * kmax];
-                    softmax_inplace(&mut row[..visible]);
-                    row[visible..].fill(0.0);
-                }
-                unsafe {
-                    // O[bq, hd] = P[bq, kmax] · V[kmax, hd]
-                    gemm_raw(bq, hd, kmax, optr, q_dim as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vbuf.as_ptr(), hd as isize, 1, 1.0, false);
-                }
-                r0 += bq;
             }
+            unsafe {
+                // S[m, kmax] = Qg[m, hd] · K[kmax, hd]ᵀ
+                gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kbuf.as_ptr(), 1, hd as isize, scale, false);
+            }
+            for i in 0..m {
+                let visible = first_pos + r0 + i % bq + 1;
+                let row = &mut scores[i * kmax..(i + 1) * kmax];
+                softmax_inplace(&mut row[..visible]);
+                row[visible..].fill(0.0);
+            }
+            unsafe {
+                // Og[m, hd] = P[m, kmax] · V[kmax, hd]
+                gemm_raw(m, hd, kmax, og.as_mut_ptr(), hd as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vbuf.as_ptr(), hd as isize, 1, 1.0, false);
+            }
+            for r in 0..bq {
+                // Safety: rows r0.. of this sequence, heads of this kv group: written by this task only
+                let dst = unsafe { std::slice::from_raw_parts_mut(outp.get().add((s.q_row + r0 + r) * q_dim + kvh * gq), gq) };
+                for h in 0..group {
+                    dst[h * hd..(h + 1) * hd].copy_from_slice(&og[(h * bq + r) * hd..(h * bq + r + 1) * hd]);
+                }
+            }
+            r0 += bq;
         }
     });
 }
