@@ -185,6 +185,12 @@ pub fn run_batches<B: Backend>(
             .with_context(|| format!("rollout of queries {}..{}", bi * bq, bi * bq + batch.len()))?;
         base += st.conversations as u64;
         pb.set_position(base);
+        if pb.is_hidden() {
+            // no terminal (a log file): one line per batch instead of the bar
+            let el = pb.elapsed().as_secs_f64();
+            let eta = el / base.max(1) as f64 * total_convs.saturating_sub(base) as f64;
+            eprintln!("{label}: {base}/{total_convs} conversations, {el:.0} s elapsed, ETA {eta:.0} s");
+        }
         merge_stats(&mut stats, &st);
         all.extend(trajs);
     }
@@ -227,8 +233,7 @@ fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, 
 }
 
 pub fn rollout(a: RolloutArgs) -> Result<()> {
-    let model = a.model.load_cpu()?;
-    rollout_on(&model, &a)
+    crate::with_model!(a.model, |model| rollout_on(&model, &a))
 }
 
 fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
@@ -310,8 +315,7 @@ fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
 }
 
 pub fn eval(a: EvalArgs) -> Result<()> {
-    let model = a.model.load_cpu()?;
-    eval_on(&model, &a)
+    crate::with_model!(a.model, |model| eval_on(&model, &a))
 }
 
 fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
