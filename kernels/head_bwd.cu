@@ -19,13 +19,15 @@
 
 #define LP_THREADS 256
 
+// probs rows have a pitch of ldp >= vt elements (a multiple of 8: 16-byte aligned GEMM rows).
 extern "C" __global__ void __launch_bounds__(LP_THREADS)
     head_probs_tile(const float* __restrict__ logits, int vt, const float* __restrict__ run_m,
-                    const float* __restrict__ run_s, bf16* __restrict__ probs, float* __restrict__ ent, int first) {
+                    const float* __restrict__ run_s, bf16* __restrict__ probs, int ldp, float* __restrict__ ent,
+                    int first) {
     __shared__ float red[32];
     const size_t row = blockIdx.x;
     const float* l = logits + row * (size_t)vt;
-    bf16* p = probs + row * (size_t)vt;
+    bf16* p = probs + row * (size_t)ldp;
     const float lse = run_m[row] + logf(run_s[row]);
     float acc = 0.f;
     for (int j = threadIdx.x; j < vt; j += LP_THREADS) {

@@ -12,7 +12,7 @@ pub enum Work {
     Score,
     Decode,
     /// LoRA r16 (α 32) on all 7 projections, GRPO token loss on the last 128 tokens of each
-    /// sequence, one forward + backward (CPU backend).
+    /// sequence, one forward + backward (CPU or CUDA backend).
     Train,
     /// The memory agent's pattern: --batch rollouts over --chunks sections of --seq-len tokens,
     /// --new-tokens of memory generated per section (shared section prefix).
@@ -51,15 +51,18 @@ pub struct BenchArgs {
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     if a.work == Work::Train {
-        // the LoRA backward exists on the CPU backend (TrainBackend); CUDA's is not built yet
-        let mut model = a.model.load_cpu()?;
-        if model.lora.is_none() {
-            model.set_adapter(infomem_engine::rl::grpo::bench_adapter(&model.cfg))?;
-        }
-        let base = BenchShape { batch: 8, seq_len: 512, score_last: 128, new_tokens: 0 };
-        return measure(&model, &a, base, |s, seed| {
-            let shape = infomem_engine::rl::grpo::TrainShape { batch: s.batch, seq_len: s.seq_len, train_last: s.score_last };
-            infomem_engine::rl::grpo::run_train_bench(&model, shape, seed)
+        // the LoRA forward + backward (TrainBackend), on either backend
+        return crate::with_model!(a.model, |model| {
+            let mut model = model;
+            if model.lora.is_none() {
+                model.set_adapter(infomem_engine::rl::grpo::bench_adapter(&model.cfg))?;
+            }
+            train_fit(&model, &a)?;
+            let base = BenchShape { batch: 8, seq_len: 512, score_last: 128, new_tokens: 0 };
+            measure(&model, &a, base, |s, seed| {
+                let shape = infomem_engine::rl::grpo::TrainShape { batch: s.batch, seq_len: s.seq_len, train_last: s.score_last };
+                infomem_engine::rl::grpo::run_train_bench(&model, shape, seed)
+            })
         });
     }
     crate::with_model!(a.model, |model| {
@@ -74,6 +77,22 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             _ => measure(&model, &a, BenchShape::DECODE, |s, seed| bench::run_decode(&model, s, seed)),
         }
     })
+}
+
+/// On the CUDA backend, refuse a train workload whose update pass cannot fit (with what would).
+fn train_fit<B: Backend + 'static>(model: &Model<B>, a: &BenchArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        use infomem_engine::backend::cuda::{memory::TrainMemPlan, CudaBackend};
+        if let Some(be) = (&model.be as &dyn std::any::Any).downcast_ref::<CudaBackend>() {
+            let rows = a.batch.unwrap_or(8) * a.seq_len.unwrap_or(512);
+            let lora = model.lora.as_ref().map(|l| (l.host.r, l.layers.iter().flatten().flatten().count())).unwrap_or((16, 7 * model.cfg.n_layers));
+            let plan = TrainMemPlan { kv_tokens: 0, rollout_rows: 0, sampled_rows: 0, update_rows: rows, lora_r: lora.0, lora_targets: lora.1, kv_tokens_per_query: 1, queries: 0 };
+            be.check_train_fit(&model.cfg, &plan)?;
+        }
+    }
+    let _ = (model, a);
+    Ok(())
 }
 
 /// Warm up, time `--repeat` runs of `run` (the best counts), report.

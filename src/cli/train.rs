@@ -5,6 +5,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use infomem_engine::model::weights::write_safetensors;
 use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::backend::train::TrainBackend;
 use infomem_engine::data::{self, ReadOptions};
 use infomem_engine::rl::grpo;
 use infomem_engine::rl::trainer::{self, TrainConfig, Trainer};
@@ -84,7 +85,7 @@ pub struct TrainArgs {
     /// HF model directory.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Compute backend (the trainer runs on the CPU in this build).
+    /// Compute backend (`cuda` needs a build with `--features cuda` and an sm_90 GPU).
     #[arg(long, value_enum, default_value_t = super::BackendKind::Cpu)]
     pub backend: super::BackendKind,
     /// Training data JSONL.
@@ -187,9 +188,6 @@ impl TrainArgs {
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
-    if a.backend != super::BackendKind::Cpu {
-        anyhow::bail!("train --backend cuda: the CUDA training step is not built yet (see the CUDA backend II issue); train on the CPU");
-    }
     infomem_engine::util::interrupt::install();
     let cfg = a.config()?;
     trainer::check_fresh_out(&cfg.out, a.resume)?;
@@ -197,8 +195,59 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let run_cfg = if a.resume { trainer::saved_config(&cfg.out)? } else { cfg.clone() };
     run_cfg.validate()?;
     let model_dir = run_cfg.model.clone().unwrap();
+    match a.backend {
+        super::BackendKind::Cpu => train_on(Model::load(&model_dir, CpuBackend::new())?, &a, cfg, &run_cfg),
+        super::BackendKind::Cuda => {
+            #[cfg(feature = "cuda")]
+            {
+                let model = Model::load(&model_dir, infomem_engine::backend::cuda::CudaBackend::new(0)?)?;
+                cuda_fit(&model, &run_cfg)?;
+                train_on(model, &a, cfg, &run_cfg)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                anyhow::bail!("--backend cuda: this binary was built without CUDA support (rebuild with `cargo build --release --features cuda`)")
+            }
+        }
+    }
+}
+
+/// Refuse, before the first step, a run whose rollout KV cache or update pass cannot fit next to
+/// the weights, naming the settings that would (backend::cuda::memory).
+#[cfg(feature = "cuda")]
+fn cuda_fit(model: &Model<infomem_engine::backend::cuda::CudaBackend>, c: &TrainConfig) -> Result<()> {
+    use infomem_engine::backend::cuda::memory::TrainMemPlan;
+    // the KV budget of one step, as Trainer::one_step sizes it
+    let per_query = (c.group_size + 3) * (600 + 2 * c.chunk_tokens + c.memory_tokens + c.answer_tokens);
+    // the longest single conversation (template + question + chunk + old and new memory) is a
+    // micro-batch of its own when it exceeds the budget
+    let longest = 600 + c.chunk_tokens + 2 * c.memory_tokens + c.answer_tokens;
+    let plan = TrainMemPlan {
+        kv_tokens: c.queries_per_step * per_query,
+        rollout_rows: c.max_batch_tokens,
+        sampled_rows: c.queries_per_step * (c.group_size + 1),
+        update_rows: c.micro_batch_tokens.max(longest),
+        lora_r: c.lora_r,
+        lora_targets: c.targets()?.len() * model.cfg.n_layers,
+        kv_tokens_per_query: per_query,
+        queries: c.queries_per_step,
+    };
+    let fp = model.be.check_train_fit(&model.cfg, &plan)?;
+    eprintln!(
+        "cuda memory plan: rollout KV {:.2} GiB, update {:.2} GiB ({} tokens per micro-batch), LoRA state {:.2} GiB; {:.2} GiB usable",
+        fp.kv_bytes as f64 / (1u64 << 30) as f64,
+        fp.update_bytes as f64 / (1u64 << 30) as f64,
+        plan.update_rows,
+        fp.lora_bytes as f64 / (1u64 << 30) as f64,
+        model.be.mem_info()?.usable() as f64 / (1u64 << 30) as f64
+    );
+    Ok(())
+}
+
+/// The training run on a loaded model (any backend): data, trainer, progress, final report.
+fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, run_cfg: &TrainConfig) -> Result<()> {
+    let model_dir = run_cfg.model.clone().unwrap();
     let data_path = run_cfg.data.clone().unwrap();
-    let model = Model::load(&model_dir, CpuBackend::new())?;
     let (recs, report) = data::read_records(&data_path, ReadOptions { tokenizer: model.tokenizer.as_ref(), ..Default::default() })?;
     if !report.skipped.is_empty() {
         eprintln!("{}: skipped {} malformed records", data_path.display(), report.skipped.len());

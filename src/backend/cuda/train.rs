@@ -289,7 +289,9 @@ impl TrainBackend for CudaBackend {
             // vocabulary tile as in `logprobs`: as wide as the scratch allows, 256-column multiples
             let vt = ((LOGPROB_SCRATCH / rb) / 256 * 256).clamp(256, vocab.next_multiple_of(256)).min(vocab);
             let logits = self.scratch("lp_logits", rb * vt * 4)?;
-            let probs = self.scratch("head_probs", rb * vt * 2)?;
+            // probability rows padded to a multiple of 8 columns: 16-byte aligned GEMM operand rows
+            let ldp = vt.next_multiple_of(8);
+            let probs = self.scratch("head_probs", rb * ldp * 2)?;
             let state = self.scratch("head_state", rb * 4 * 4)?;
             let (run_m, run_s, tgt, ent) = (state, state + (rb * 4) as u64, state + (rb * 8) as u64, state + (rb * 12) as u64);
             let tp = self.meta("targets", bytemuck::cast_slice(&targets[r0..r0 + rb]))?;
@@ -308,10 +310,10 @@ impl TrainBackend for CudaBackend {
                 let vn = vt.min(vocab - v0);
                 let w = wp + (v0 * d * 2) as u64;
                 self.gemm(gemm::GemmArgs { m: rb, n: vn, k: d, x: hrows, ldx: d, w, ldw: d, y: logits, ldy: vn, y_bf16: false, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
-                let (vn32, first) = (vn as i32, (v0 == 0) as i32);
-                launch!(self, "head_probs_tile", rb, LP_THREADS, logits, vn32, run_m, run_s, probs, ent, first)?;
+                let (vn32, ldp32, first) = (vn as i32, ldp as i32, (v0 == 0) as i32);
+                launch!(self, "head_probs_tile", rb, LP_THREADS, logits, vn32, run_m, run_s, probs, ldp32, ent, first)?;
                 let beta = if v0 == 0 { 0.0 } else { 1.0 };
-                self.gemm(gemm::GemmArgs { m: rb, n: d, k: vn, x: probs, ldx: vn, w, ldw: d, y: grows, ldy: d, y_bf16: false, alpha: 1.0, beta, xt: false, wt: true })?;
+                self.gemm(gemm::GemmArgs { m: rb, n: d, k: vn, x: probs, ldx: ldp, w, ldw: d, y: grows, ldy: d, y_bf16: false, alpha: 1.0, beta, xt: false, wt: true })?;
             }
             let d32 = d as i32;
             launch!(self, "head_grad_finish", rb, LP_THREADS, grows, wp, tp, d32)?;
