@@ -93,6 +93,11 @@ pub trait Backend: Send + Sync {
     fn upload_vec(&self, data: Vec<f32>) -> Result<Self::Buf> {
         self.upload(&data)
     }
+    /// Upload a trainable parameter (a LoRA A or B). Backends that store weights in lower
+    /// precision keep an exact master copy, so a checkpoint restores the adapter bit for bit.
+    fn upload_param(&self, data: &[f32]) -> Result<Self::Buf> {
+        self.upload(data)
+    }
     /// A zero-filled buffer of `n` elements.
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;

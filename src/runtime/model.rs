@@ -114,7 +114,7 @@ impl<B: Backend> Model<B> {
             let mut dev: [Option<(B::Buf, B::Buf)>; 7] = Default::default();
             for p in ALL_PROJS {
                 if let Some(pair) = &row[p.index()] {
-                    dev[p.index()] = Some((self.be.upload(&pair.a.data)?, self.be.upload(&pair.b.data)?));
+                    dev[p.index()] = Some((self.be.upload_param(&pair.a.data)?, self.be.upload_param(&pair.b.data)?));
                 }
             }
             layers.push(dev);

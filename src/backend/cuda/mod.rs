@@ -609,6 +609,16 @@ impl Backend for CudaBackend {
         let _op = self.enter()?;
         self.upload_as(data, Dtype::Bf16)
     }
+    /// An f32 master with its bf16 shadow from the start (as `adamw` would make it): a resumed
+    /// adapter is not rounded to bf16 on its way back to the device.
+    fn upload_param(&self, data: &[f32]) -> Result<CudaBuf> {
+        let _op = self.enter()?;
+        let mut b = self.upload_as(data, Dtype::F32)?;
+        let mut sh = self.alloc((data.len() * 2).max(1))?;
+        self.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut sh)?;
+        b.shadow = Some(sh);
+        Ok(b)
+    }
     fn zeros(&self, n: usize) -> Result<CudaBuf> {
         let _op = self.enter()?;
         let mem = self.stream.alloc_zeros::<u8>((n * 4).max(1)).map_err(|e| self.alloc_error(n * 4, e))?;
