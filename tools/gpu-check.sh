@@ -179,7 +179,7 @@ run() {
     # name | work | engine flags | torch flags (the train workload names its loss tokens
     # --score-last on our side, --train-last on torch's). GPU_CHECK_CASES picks some by name.
     while IFS='|' read -r name work ours theirs; do
-      case " ${GPU_CHECK_CASES:-train-8x4096 score-8x4096 decode-b64 decode-b1} " in *" $name "*) ;; *) continue ;; esac
+      case " ${GPU_CHECK_CASES:-train-8x4096 score-8x4096 decode-b64 decode-b1 rollout-n16} " in *" $name "*) ;; *) continue ;; esac
       # (stdin from /dev/null: the loop reads its cases from stdin)
       step "ours-$shape-$name" 150 "$BUNDLE/infomem-engine" bench --model "$dir" --backend cuda --work "$work" $ours --json </dev/null \
         && tail -n 1 "$LOGS/ours-$shape-$name.log" | sed "s/^{/{\"shape\":\"$shape\",\"case\":\"$name\",/" >> "$OUT/bench.jsonl"
@@ -190,6 +190,7 @@ train-8x4096|train|--batch 8 --seq-len 4096 --score-last 128|--batch 8 --seq-len
 score-8x4096|score|--batch 8 --seq-len 4096 --score-last 64|--batch 8 --seq-len 4096 --score-last 64
 decode-b64|decode|--batch 64 --seq-len 1024 --new-tokens 256|--batch 64 --seq-len 1024 --new-tokens 256
 decode-b1|decode|--batch 1 --seq-len 1024 --new-tokens 256|--batch 1 --seq-len 1024 --new-tokens 256
+rollout-n16|rollout|--batch 16 --seq-len 2048 --new-tokens 512 --chunks 8|--rollout-n 16 --chunks 8 --chunk-tokens 2048 --memory-tokens 512
 CASES
   done
 
@@ -230,6 +231,20 @@ def ideal_seconds(s, r):
         T, last = r["seq_len"], r.get("score_last") or 64
         fl = 2 * s["body"] * B * T + B * attn_flops(s, 0, T) + 2 * s["head"] * B * last
         return fl / BF16
+    kv_tok = s["L"] * 2 * s["nkv"] * s["hd"] * 2  # bf16 K and V, all layers
+    wbytes = 2 * (s["body"] + s["head"])
+    if r["work"] == "rollout":
+        # per chunk: the section once (shared prefix) + each rollout's memory, then the memory's
+        # decode steps; ideal for our shared-prefix schedule (PyTorch prefills the section n times)
+        C, S, N = r.get("chunks") or 8, r["seq_len"], r["new_tokens"]
+        t = 0.0
+        for c in range(C):
+            mem = 0 if c == 0 else N
+            fl = 2 * s["body"] * (S + B * mem) + attn_flops(s, 0, S) + B * attn_flops(s, S, mem) + 2 * s["head"] * B
+            t += fl / BF16
+            for i in range(1, N):
+                t += (wbytes + B * (S + mem + i) * kv_tok) / HBM
+        return t
     P, N = r.get("seq_len") or r.get("prompt_len"), r["new_tokens"]
     fl = 2 * s["body"] * B * P + B * attn_flops(s, 0, P) + 2 * s["head"] * B
     t = fl / BF16
@@ -271,7 +286,8 @@ print("N = non-embedding parameters; frozen weights get no weight gradient) + 3 
 print("4·L·heads·hd·T(T+1)/2 per sequence, backward twice that) + 4·V·d per loss token (head forward + input")
 print("gradient), over 790 TFLOP/s bf16 (recomputation not counted); score = FLOPs (2·params·tokens + causal")
 print("attention + head on the scored rows) / 790 TFLOP/s; decode = prefill FLOPs / 790 TFLOP/s + Σ_steps")
-print("(bf16 weights + K/V read) / 4.3 TB/s. Fraction = ideal / measured.")
+print("(bf16 weights + K/V read) / 4.3 TB/s; rollout = the same per chunk with the section prefilled once")
+print("(n = 16 rollouts, 8 chunks of 2048 tokens, 512 memory tokens). Fraction = ideal / measured.")
 print("\nSteps (rc, seconds):\n")
 for line in open(os.path.join(out, "steps.txt")):
     print(f"- {line.strip()}")

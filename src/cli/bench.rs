@@ -142,6 +142,7 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
             "seq_len": shape.seq_len,
             "score_last": shape.score_last,
             "new_tokens": shape.new_tokens,
+            "chunks": if a.work == Work::Rollout { Some(a.chunks.unwrap_or(8)) } else { None },
             "tokens": tokens,
             "seconds": best,
             "tokens_per_s": tps,
