@@ -720,3 +720,39 @@ fn train_bench() {
     }
     infomem_engine::util::prof::report();
 }
+
+/// Keeping a layer's activations from the forward instead of recomputing them in the backward
+/// changes only where the intermediates come from: the gradients are bit for bit the same for 0, 1
+/// and all layers kept (the budget depends on free memory; a resumed run must not depend on it).
+#[test]
+fn kept_activations_match_recompute() {
+    use infomem_engine::runtime::backward::policy_grads_keeping;
+    for arch in ["qwen2", "llama"] {
+        let model = random_model(arch, 21);
+        let (convs, _) = fd_batch(&model, 9);
+        let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();
+        // a loss with a different weight per token: Σ w_t · logp_t
+        let run = |keep: usize| {
+            policy_grads_keeping(&model, &seqs, keep, |s| {
+                let g = s.logprobs.iter().map(|v| (0..v.len()).map(|t| 0.3 + 0.1 * t as f32).collect()).collect();
+                Ok((s.logprobs.clone(), g))
+            })
+            .unwrap()
+        };
+        let (lp0, g0) = run(0);
+        for keep in [1, 2, 99] {
+            let (lp, g) = run(keep);
+            assert_eq!(lp, lp0, "{arch}: forward log-probs differ with {keep} layers kept");
+            for (l, (ra, rb)) in g.layers.iter().zip(&g0.layers).enumerate() {
+                for p in ALL_PROJS {
+                    let (a, b) = (ra[p.index()].as_ref().unwrap(), rb[p.index()].as_ref().unwrap());
+                    for (x, y) in [(&a.0, &b.0), (&a.1, &b.1)] {
+                        assert!(y.iter().any(|v| *v != 0.0), "{arch}: layer {l} {}: zero gradient", p.module());
+                        let ndiff = x.iter().zip(y.iter()).filter(|(u, v)| u.to_bits() != v.to_bits()).count();
+                        assert_eq!(ndiff, 0, "{arch}: keep {keep}: layer {l} {}: {ndiff} of {} gradient entries differ", p.module(), x.len());
+                    }
+                }
+            }
+        }
+    }
+}

@@ -7,13 +7,17 @@
 //! `prompt.len() - 1 + t` of a sequence predicts `response[t]`; the last response token is never
 //! fed (nothing is scored after it).
 //!
-//! Memory: the forward keeps only each layer's input residual `[rows, hidden]`. The backward
-//! walks the layers top-down and first **recomputes** the layer's intermediates from that residual
-//! (norms, projections with LoRA, RoPE, attention with its log-sum-exp, SwiGLU; not the down
-//! projection, whose output the backward does not need), then back-propagates through it. Base
-//! weights, norms and embeddings are frozen: only input gradients flow through them, and only the
-//! LoRA A/B of every targeted projection get gradient buffers. Cost: about three forward passes
-//! of GEMMs (forward, recompute, input gradients) plus ~2.5× the attention for its backward.
+//! Memory: the forward keeps each layer's input residual `[rows, hidden]`, and for the top layers
+//! that fit the backend's budget (`TrainBackend::keep_activation_bytes`) also what their backward
+//! needs (rotated qkv, attention output and log-sum-exp, gate/up, the residual after attention,
+//! the merged weights). The backward walks the layers top-down; a layer that kept nothing first
+//! **recomputes** its intermediates from its input residual (norms, projections with LoRA, RoPE,
+//! attention with its log-sum-exp, SwiGLU; not the down projection, whose output the backward
+//! does not need), then back-propagates through it. Base weights, norms and embeddings are
+//! frozen: only input gradients flow through them, and only the LoRA A/B of every targeted
+//! projection get gradient buffers. Cost: two (all layers kept) to three (none kept) forward
+//! passes of GEMMs plus ~2.5× the attention for its backward. On the CPU the budget is a third of
+//! the available memory (≤ 8 GiB): 8 × 512 rows of SmolLM2-135M keep all 30 layers in 2.9 GB.
 //!
 //! LoRA inside the passes: each layer's LoRA pairs are folded into scratch copies of its frozen
 //! weights, `W' = W + scale·B A` (one small GEMM per pair and layer, redone in the forward and in
@@ -223,18 +227,26 @@ struct LayerW<'a, B: Backend> {
     down: &'a B::Buf,
 }
 
-/// Scratch for the merged weights of one layer (allocated on first use).
+/// Scratch for merged weights: slot 0 is reused layer after layer; a layer whose activations
+/// the backward keeps also keeps its merged weights in slot `1 + l`, so they are merged once.
 struct Merged<B: Backend> {
-    bufs: Option<[B::Buf; 4]>,
+    slots: Vec<Option<([B::Buf; 4], [bool; 4])>>,
 }
 
 impl<B: TrainBackend> Merged<B> {
-    fn new() -> Self {
-        Merged { bufs: None }
+    fn new(n_layers: usize) -> Self {
+        Merged { slots: (0..=n_layers).map(|_| None).collect() }
     }
 
-    /// The weights of layer `l` under `policy`, merging its LoRA pairs into scratch copies.
-    fn layer<'a>(&'a mut self, model: &'a Model<B>, policy: Policy, l: usize) -> Result<LayerW<'a, B>> {
+    /// Bytes one slot holds (f32 on the CPU, the only backend that keeps slots).
+    fn slot_bytes(model: &Model<B>) -> usize {
+        let be = &model.be;
+        let w = &model.layers[0];
+        4 * (be.len(&w.qkv) + be.len(&w.o) + be.len(&w.gate_up) + be.len(&w.down))
+    }
+
+    /// Merge layer `l`'s LoRA pairs under `policy` into copies of its weights in `slot`.
+    fn merge(&mut self, model: &Model<B>, policy: Policy, l: usize, slot: usize) -> Result<()> {
         let be = &model.be;
         let c = &model.cfg;
         let w = &model.layers[l];
@@ -256,10 +268,11 @@ impl<B: TrainBackend> Merged<B> {
             if projs.iter().all(|&(p, _)| pair(p).is_none()) {
                 continue;
             }
-            if self.bufs.is_none() {
-                self.bufs = Some([be.zeros(be.len(&w.qkv))?, be.zeros(be.len(&w.o))?, be.zeros(be.len(&w.gate_up))?, be.zeros(be.len(&w.down))?]);
+            if self.slots[slot].is_none() {
+                let bufs = [be.zeros(be.len(&w.qkv))?, be.zeros(be.len(&w.o))?, be.zeros(be.len(&w.gate_up))?, be.zeros(be.len(&w.down))?];
+                self.slots[slot] = Some((bufs, [false; 4]));
             }
-            let dst = &mut self.bufs.as_mut().unwrap()[i];
+            let dst = &mut self.slots[slot].as_mut().unwrap().0[i];
             be.copy(base, dst)?;
             for &(p, row0) in projs {
                 if let Some((a, b, scale, r)) = pair(p) {
@@ -269,13 +282,22 @@ impl<B: TrainBackend> Merged<B> {
             }
             merged[i] = true;
         }
+        if let Some((_, flags)) = self.slots[slot].as_mut() {
+            *flags = merged;
+        }
+        Ok(())
+    }
+
+    /// The weights of layer `l` as last merged into `slot` (base tensors where nothing merged).
+    fn get<'a>(&'a self, model: &'a Model<B>, l: usize, slot: usize) -> LayerW<'a, B> {
+        let w = &model.layers[l];
         let pick = |i: usize, base: &'a B::Buf| -> &'a B::Buf {
-            match &self.bufs {
-                Some(b) if merged[i] => &b[i],
+            match &self.slots[slot] {
+                Some((b, m)) if m[i] => &b[i],
                 _ => base,
             }
         };
-        Ok(LayerW {
+        LayerW {
             attn_norm: &w.attn_norm,
             qkv: pick(0, &w.qkv),
             qkv_bias: w.qkv_bias.as_ref(),
@@ -283,7 +305,27 @@ impl<B: TrainBackend> Merged<B> {
             mlp_norm: &w.mlp_norm,
             gate_up: pick(2, &w.gate_up),
             down: pick(3, &w.down),
-        })
+        }
+    }
+}
+
+/// What the backward needs of a layer beyond its input residual, kept from the forward when the
+/// backend's budget allows (`TrainBackend::keep_activation_bytes`): the rotated qkv, the attention
+/// output and its log-sum-exp, gate/up, and the residual after attention. The norms' outputs and
+/// SwiGLU are cheap and recomputed from these, with the same arithmetic as in the forward.
+struct Kept<B: Backend> {
+    qkv: B::Buf,
+    att: B::Buf,
+    lse: B::Buf,
+    gu: B::Buf,
+    xm: B::Buf,
+}
+
+impl<B: TrainBackend> Kept<B> {
+    /// Bytes kept per batch row (f32 on the CPU, the only backend that keeps).
+    fn bytes_per_row(model: &Model<B>) -> usize {
+        let c = &model.cfg;
+        4 * (c.q_dim() + 2 * c.kv_dim() + c.q_dim() + c.n_heads + 2 * c.intermediate + c.hidden)
     }
 }
 
@@ -291,6 +333,12 @@ impl<B: TrainBackend> Merged<B> {
 /// return it is the layer output (`full`) or the residual after attention, `x + o` (`!full`: the
 /// recompute of the backward, which needs no down projection). `a` receives every intermediate.
 fn layer_fwd<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &DenseBatch, x: &mut B::Buf, a: &mut Acts<B>, full: bool) -> Result<()> {
+    layer_fwd_inner(model, w, batch, x, a, full, None)
+}
+
+/// [`layer_fwd`], also copying the residual after attention into `xm` when given.
+#[allow(clippy::too_many_arguments)]
+fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &DenseBatch, x: &mut B::Buf, a: &mut Acts<B>, full: bool, xm: Option<&mut B::Buf>) -> Result<()> {
     let be = &model.be;
     let c = &model.cfg;
     let g = model.geom();
@@ -305,6 +353,9 @@ fn layer_fwd<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &DenseBatc
     prof::time("train_matmul", || be.matmul(&a.att, w.o, None, n, q_dim, d, &mut a.o))?;
     // x ← x + o; h2 = rmsnorm(x)
     be.add_rmsnorm(x, &a.o, w.mlp_norm, c.rms_eps, n, d, &mut a.h2)?;
+    if let Some(xm) = xm {
+        be.copy(x, xm)?;
+    }
     // MLP block
     prof::time("train_matmul", || be.matmul(&a.h2, w.gate_up, None, n, d, 2 * inter, &mut a.gu))?;
     be.swiglu(&a.gu, n, inter, &mut a.act)?;
@@ -340,10 +391,10 @@ pub fn response_logprobs<B: TrainBackend>(model: &Model<B>, seqs: &[TrainSeq], p
     let mut x = be.zeros(n * d)?;
     be.embed(&model.embed, &batch.ids, d, &mut x)?;
     let mut acts = Acts::new(model, n)?;
-    let mut merged = Merged::new();
+    let mut merged = Merged::new(model.cfg.n_layers);
     for l in 0..model.cfg.n_layers {
-        let w = merged.layer(model, policy, l)?;
-        layer_fwd(model, &w, &batch, &mut x, &mut acts, true)?;
+        merged.merge(model, policy, l, 0)?;
+        layer_fwd(model, &merged.get(model, l, 0), &batch, &mut x, &mut acts, true)?;
     }
     drop(acts);
     let (_, hn) = final_rows(model, &x, &batch.loss_rows)?;
@@ -360,6 +411,20 @@ pub fn response_logprobs<B: TrainBackend>(model: &Model<B>, seqs: &[TrainSeq], p
 pub fn policy_grads<B: TrainBackend, S>(
     model: &Model<B>,
     seqs: &[TrainSeq],
+    loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
+) -> Result<(S, LoraGrads<B>)> {
+    let rows = DenseBatch::new(model.cfg.vocab, seqs)?.rows();
+    let per_layer = rows * Kept::<B>::bytes_per_row(model) + Merged::<B>::slot_bytes(model);
+    let n_keep = (model.be.keep_activation_bytes() / per_layer.max(1)).min(model.cfg.n_layers);
+    policy_grads_keeping(model, seqs, n_keep, loss)
+}
+
+/// [`policy_grads`] keeping the activations of the top `n_keep` layers from the forward (the
+/// others are recomputed in the backward). The same gradients, bit for bit, for any `n_keep`.
+pub fn policy_grads_keeping<B: TrainBackend, S>(
+    model: &Model<B>,
+    seqs: &[TrainSeq],
+    n_keep: usize,
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
     ensure!(model.lora.is_some() && model.lora_enabled, "the model has no enabled LoRA adapter: nothing to train");
@@ -381,14 +446,27 @@ pub fn policy_grads<B: TrainBackend, S>(
     let mut x = be.zeros(n * d)?;
     be.embed(&model.embed, &batch.ids, d, &mut x)?;
     let mut acts = Acts::new(model, n)?;
-    let mut merged = Merged::new();
+    let mut merged = Merged::new(c.n_layers);
+    // The top `n_keep` layers keep their activations (the backward reaches them first).
+    let n_keep = n_keep.min(c.n_layers);
+    let keeps = |l: usize| l + n_keep >= c.n_layers;
     let mut saved: Vec<B::Buf> = Vec::with_capacity(c.n_layers);
+    let mut kept: Vec<Option<Kept<B>>> = (0..c.n_layers).map(|_| None).collect();
     for l in 0..c.n_layers {
         let mut keep = be.zeros(n * d)?;
         be.copy(&x, &mut keep)?;
         saved.push(keep);
-        let w = prof::time("train_merge", || merged.layer(model, Policy::Current, l))?;
-        layer_fwd(model, &w, &batch, &mut x, &mut acts, true)?;
+        let slot = if keeps(l) { 1 + l } else { 0 };
+        prof::time("train_merge", || merged.merge(model, Policy::Current, l, slot))?;
+        let w = merged.get(model, l, slot);
+        if keeps(l) {
+            let mut xm = be.zeros(n * d)?;
+            layer_fwd_inner(model, &w, &batch, &mut x, &mut acts, true, Some(&mut xm))?;
+            let take = |b: &mut B::Buf| -> Result<B::Buf> { Ok(std::mem::replace(b, be.zeros(be.len(b))?)) };
+            kept[l] = Some(Kept { qkv: take(&mut acts.qkv)?, att: take(&mut acts.att)?, lse: take(&mut acts.lse)?, gu: take(&mut acts.gu)?, xm });
+        } else {
+            layer_fwd(model, &w, &batch, &mut x, &mut acts, true)?;
+        }
     }
 
     // ---- head: log-probs, entropies and ∂logp/∂h in one tiled pass ----
@@ -424,10 +502,25 @@ pub fn policy_grads<B: TrainBackend, S>(
     let mut dqkv = be.zeros(n * qkv_dim)?;
     let xm = &mut x; // reused: the recomputed residual after attention
     for l in (0..c.n_layers).rev() {
-        let w = prof::time("train_merge", || merged.layer(model, Policy::Current, l))?;
         let xin = saved.pop().expect("one saved residual per layer");
-        be.copy(&xin, xm)?;
-        prof::time("train_recompute", || layer_fwd(model, &w, &batch, xm, &mut acts, false))?;
+        let slot = if let Some(k) = kept[l].take() {
+            // restore the kept activations; the norms and SwiGLU are recomputed (cheap)
+            acts.qkv = k.qkv;
+            acts.att = k.att;
+            acts.lse = k.lse;
+            acts.gu = k.gu;
+            *xm = k.xm;
+            be.rmsnorm(&xin, &model.layers[l].attn_norm, c.rms_eps, n, d, &mut acts.h1)?;
+            be.rmsnorm(&*xm, &model.layers[l].mlp_norm, c.rms_eps, n, d, &mut acts.h2)?;
+            be.swiglu(&acts.gu, n, inter, &mut acts.act)?;
+            1 + l
+        } else {
+            prof::time("train_merge", || merged.merge(model, Policy::Current, l, 0))?;
+            be.copy(&xin, xm)?;
+            prof::time("train_recompute", || layer_fwd(model, &merged.get(model, l, 0), &batch, xm, &mut acts, false))?;
+            0
+        };
+        let w = merged.get(model, l, slot);
         let gl = &mut grads.layers[l];
         let a = &acts;
 
