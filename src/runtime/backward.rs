@@ -413,10 +413,9 @@ pub fn policy_grads<B: TrainBackend, S>(
     seqs: &[TrainSeq],
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
-    let rows = DenseBatch::new(model.cfg.vocab, seqs)?.rows();
-    let per_layer = rows * Kept::<B>::bytes_per_row(model) + Merged::<B>::slot_bytes(model);
-    let n_keep = (model.be.keep_activation_bytes() / per_layer.max(1)).min(model.cfg.n_layers);
-    policy_grads_keeping(model, seqs, n_keep, loss)
+    let budget = model.be.keep_activation_bytes();
+    let per_layer = |rows: usize| rows * Kept::<B>::bytes_per_row(model) + Merged::<B>::slot_bytes(model);
+    grads_inner(model, seqs, |rows| budget / per_layer(rows).max(1), loss)
 }
 
 /// [`policy_grads`] keeping the activations of the top `n_keep` layers from the forward (the
@@ -425,6 +424,16 @@ pub fn policy_grads_keeping<B: TrainBackend, S>(
     model: &Model<B>,
     seqs: &[TrainSeq],
     n_keep: usize,
+    loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
+) -> Result<(S, LoraGrads<B>)> {
+    grads_inner(model, seqs, |_| n_keep, loss)
+}
+
+/// The forward + backward; `n_keep(rows)` says how many top layers keep their activations.
+fn grads_inner<B: TrainBackend, S>(
+    model: &Model<B>,
+    seqs: &[TrainSeq],
+    n_keep: impl FnOnce(usize) -> usize,
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
     ensure!(model.lora.is_some() && model.lora_enabled, "the model has no enabled LoRA adapter: nothing to train");
@@ -448,7 +457,7 @@ pub fn policy_grads_keeping<B: TrainBackend, S>(
     let mut acts = Acts::new(model, n)?;
     let mut merged = Merged::new(c.n_layers);
     // The top `n_keep` layers keep their activations (the backward reaches them first).
-    let n_keep = n_keep.min(c.n_layers);
+    let n_keep = n_keep(n).min(c.n_layers);
     let keeps = |l: usize| l + n_keep >= c.n_layers;
     let mut saved: Vec<B::Buf> = Vec::with_capacity(c.n_layers);
     let mut kept: Vec<Option<Kept<B>>> = (0..c.n_layers).map(|_| None).collect();
