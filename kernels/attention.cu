@@ -35,7 +35,7 @@
 // hd ∈ {16, 32, 64, 128} are instantiated (mma's k = 16 divides them).
 //
 // CPU twin: backend::cpu::attention::attention.
-#include "common.cuh"
+#include "mma.cuh"  // cp.async and mma.sync helpers (shared with the dense attention kernels)
 
 // Must match `AttnSeqDev` / `AttnItem` in src/backend/cuda/attn.rs (#[repr(C)], 8 + 4 ints).
 struct AttnSeqDev {
@@ -54,25 +54,6 @@ struct AttnItem {
 
 #define ATTN_THREADS 128
 #define ATTN_BM 64
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// D = A·B + D, A 16×16 bf16 (row), B 16×8 bf16 (col), D 16×8 f32.
-__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Two consecutive q elements (c, c + 1) of a row as one bf16x2 register; 0 for a padding row.
 __device__ __forceinline__ uint32_t load_q2(const float* p, int c) {
