@@ -8,8 +8,7 @@
 //!   derivatives within 1e-3·‖g‖, single coordinates within 2e-2 relative (+ 2e-3 of the largest gradient);
 //! - ops (float64 reference, h = 1e-5): ‖analytic − FD‖/‖FD‖ ≤ 1e-4 over the checked coordinates.
 //!
-//! `cargo test --release --test grpo_grad -- --ignored --nocapture train_bench` measures the
-//! training step on SmolLM2-135M (SMOL_DIR, default /tmp/smol-hf).
+//! Training-step throughput is measured by `infomem-engine bench --work train`, not here.
 mod common;
 
 use common::{cases, expected, fixtures};
@@ -698,27 +697,6 @@ fn optimizer_step_lowers_the_loss() {
     let lora = model.lora.as_ref().unwrap();
     let (a, _) = lora.layers[0][0].as_ref().unwrap();
     assert_eq!(a, &lora.host.layers[0][0].as_ref().unwrap().a.data);
-}
-
-// =============================================================================================
-// Throughput (ignored by default)
-
-#[test]
-#[ignore]
-fn train_bench() {
-    use infomem_engine::rl::grpo::{bench_adapter, run_train_bench, TrainShape};
-    let dir = std::env::var("SMOL_DIR").unwrap_or_else(|_| "/tmp/smol-hf".into());
-    let mut model = Model::load(Path::new(&dir), CpuBackend::new()).unwrap();
-    let ad = bench_adapter(&model.cfg);
-    model.set_adapter(ad).unwrap();
-    let s = TrainShape::TRAIN;
-    run_train_bench(&model, TrainShape { batch: 1, ..s }, 1).unwrap();
-    let reps: usize = std::env::var("REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    for r in 0..reps {
-        let (n, secs) = run_train_bench(&model, s, 7 + r as u64).unwrap();
-        println!("train: {n} tokens in {secs:.2} s = {:.1} tokens/s ({} threads)", n as f64 / secs, rayon::current_num_threads());
-    }
-    infomem_engine::util::prof::report();
 }
 
 /// Keeping a layer's activations from the forward instead of recomputing them in the backward
