@@ -19,7 +19,7 @@
 //! (`kv_new` allocates all of it); copy-on-write of a page is one contiguous device copy.
 //!
 //! **Training** (`TrainBackend`, in `train.rs`; kernels `attention_dense.cu`, `attention_bwd.cu`,
-//! `norm_bwd.cu`, `rope_bwd.cu`, `swiglu_bwd.cu`, `head_bwd.cu`, `rows.cu`, `optim.cu`):
+//! `norm_bwd.cu`, `swiglu_bwd.cu`, `head_bwd.cu`, `rows.cu`, `optim.cu`):
 //! - gradients are **f32** buffers (every `zeros` is f32); an f32 gradient that feeds a GEMM is
 //!   rounded to bf16 on the way in (as PyTorch's bf16 autocast does), accumulation stays f32;
 //! - LoRA parameters are **f32 masters with a bf16 shadow**: the first `adamw` on a bf16 buffer
@@ -182,7 +182,7 @@ const KERNEL_NAMES: &[(&str, &[&str])] = &[
             "add_bf16_bf16",
         ],
     ),
-    ("rope", &["rope_f32", "rope_bf16"]),
+    ("rope", &["rope_f32", "rope_bf16", "rope_bwd_f32", "rope_bwd_bf16"]),
     ("swiglu", &["swiglu_f32", "swiglu_bf16"]),
     (
         "memory",
@@ -191,7 +191,6 @@ const KERNEL_NAMES: &[(&str, &[&str])] = &[
     ("logprob", &["logprob_tile"]),
     ("head_bwd", &["head_probs_tile", "head_grad_finish"]),
     ("norm_bwd", &["rmsnorm_bwd_f32_f32", "rmsnorm_bwd_f32_bf16", "rmsnorm_bwd_bf16_f32", "rmsnorm_bwd_bf16_bf16"]),
-    ("rope_bwd", &["rope_bwd_f32", "rope_bwd_bf16"]),
     ("swiglu_bwd", &["swiglu_bwd_f32_f32", "swiglu_bwd_f32_bf16", "swiglu_bwd_bf16_f32", "swiglu_bwd_bf16_bf16"]),
     ("rows", &["scale_rows_f32", "scatter_add_rows_f32", "scatter_add_rows_bf16"]),
     ("optim", &["sum_squares_f32", "sum_squares_bf16", "scale_f32", "adamw_f32", "widen_bf16"]),
@@ -330,6 +329,22 @@ fn grid_for(n: usize, block: u32) -> u32 {
 }
 
 impl CudaBackend {
+    /// The forward (`op` = "rope") or backward ("rope_bwd") rotation of rope.cu on the q/k heads
+    /// of a `[rows, qkv_dim]` buffer (named `buf` in errors), in place.
+    pub(crate) fn rope_launch(&self, op: &str, buf: &str, qkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        let _op = self.enter()?;
+        if positions.is_empty() {
+            return Ok(());
+        }
+        ensure!(inv_freq.len() * 2 == g.head_dim, "cuda {op}: {} frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+        qkv.touch();
+        qkv.need(positions.len() * g.qkv_dim(), op, buf)?;
+        let pp = self.meta("positions", bytemuck::cast_slice(positions))?;
+        let fp = self.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
+        let (q, heads, hd, width) = (qkv.ptr(), (g.n_heads + g.n_kv_heads) as i32, g.head_dim as i32, g.qkv_dim() as i32);
+        launch!(self, &format!("{op}_{}", qkv.dtype.suffix()), positions.len(), 128, q, pp, fp, heads, hd, width)
+    }
+
     /// Open device `ordinal`. Errors (never panics) when the build has no kernels, there is no
     /// driver or device, the device is older than sm_90, or cuBLASLt cannot be loaded.
     pub fn new(ordinal: usize) -> Result<Self> {
@@ -802,17 +817,7 @@ impl Backend for CudaBackend {
         self.gemm(gemm::GemmArgs { m, n: n_out, k: r, x: xa, ldx: r, w: bp, ldw: r, y, ldy: ld, y_bf16: out.dtype == Dtype::Bf16, alpha: scale, beta: 1.0, xt: false, wt: false })
     }
     fn rope(&self, qkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
-        let _op = self.enter()?;
-        if positions.is_empty() {
-            return Ok(());
-        }
-        ensure!(inv_freq.len() * 2 == g.head_dim, "cuda rope: {} frequencies for head_dim {}", inv_freq.len(), g.head_dim);
-        qkv.touch();
-        qkv.need(positions.len() * g.qkv_dim(), "rope", "qkv")?;
-        let pp = self.meta("positions", bytemuck::cast_slice(positions))?;
-        let fp = self.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
-        let (q, heads, hd, width) = (qkv.ptr(), (g.n_heads + g.n_kv_heads) as i32, g.head_dim as i32, g.qkv_dim() as i32);
-        launch!(self, &format!("rope_{}", qkv.dtype.suffix()), positions.len(), 128, q, pp, fp, heads, hd, width)
+        self.rope_launch("rope", "qkv", qkv, positions, inv_freq, g)
     }
     fn kv_store(&self, kv: &mut CudaKv, layer: usize, qkv: &CudaBuf, slots: &[u32], g: AttnGeom) -> Result<()> {
         let _op = self.enter()?;
@@ -927,5 +932,30 @@ impl Backend for CudaBackend {
         let toks: Vec<u32> = self.dtoh(tok, rows)?;
         let lps: Vec<f32> = self.dtoh(lps, rows)?;
         Ok(toks.into_iter().zip(lps).map(|(token, logprob)| Sampled { token, logprob }).collect())
+    }
+}
+
+#[cfg(test)]
+mod kernel_table_tests {
+    use super::{kernels, KERNEL_NAMES};
+
+    /// Every kernel the backend loads by name at start is an entry point of the embedded module it
+    /// is listed under, and every embedded module is listed: a renamed or moved kernel fails here,
+    /// without a GPU, instead of at the first `CudaBackend::new` on one.
+    #[test]
+    fn every_listed_kernel_is_embedded() {
+        if kernels::KERNELS.is_empty() {
+            println!("skipped: built without nvcc (no kernels embedded)");
+            return;
+        }
+        for &(module, names) in KERNEL_NAMES {
+            let (_, _, ptx) = kernels::KERNELS.iter().find(|k| k.0 == module).unwrap_or_else(|| panic!("kernels/{module}.cu is not embedded"));
+            for name in names {
+                assert!(ptx.contains(&format!(".entry {name}(")), "kernel {name} is not an entry point of kernels/{module}.cu");
+            }
+        }
+        for (module, _, _) in kernels::KERNELS {
+            assert!(KERNEL_NAMES.iter().any(|k| k.0 == *module), "kernels/{module}.cu is embedded but none of its kernels is loaded");
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! Which op runs where (kernels/*.cu unless cuBLASLt):
 //! - `attn_dense` / `attn_dense_bwd`: attention_dense.cu / attention_bwd.cu (flash style, lse
 //!   kept, no [T, T]); the f32 qkv is rounded once to a bf16 scratch copy for the tensor cores;
-//! - `rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`: norm_bwd.cu, rope_bwd.cu, swiglu_bwd.cu;
+//! - `rmsnorm_bwd`, `rope_bwd`, `swiglu_bwd`: norm_bwd.cu, rope.cu, swiglu_bwd.cu;
 //! - `matmul_dx`, `lora_bwd`, `lora_merge`'s terms: cuBLASLt (bf16 operands, f32 accumulation),
 //!   with the transposed layouts of gemm.rs;
 //! - `head_grad`: cuBLASLt logits tiles + logprob.cu's `logprob_tile` (pass 1) + head_bwd.cu
@@ -158,17 +158,7 @@ impl TrainBackend for CudaBackend {
     }
 
     fn rope_bwd(&self, dqkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
-        let _op = self.enter()?;
-        if positions.is_empty() {
-            return Ok(());
-        }
-        ensure!(inv_freq.len() * 2 == g.head_dim, "cuda rope_bwd: {} frequencies for head_dim {}", inv_freq.len(), g.head_dim);
-        dqkv.touch();
-        dqkv.need(positions.len() * g.qkv_dim(), "rope_bwd", "dqkv")?;
-        let pp = self.meta("positions", bytemuck::cast_slice(positions))?;
-        let fp = self.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
-        let (q, heads, hd, width) = (dqkv.ptr(), (g.n_heads + g.n_kv_heads) as i32, g.head_dim as i32, g.qkv_dim() as i32);
-        launch!(self, &format!("rope_bwd_{}", dqkv.dtype.suffix()), positions.len(), 128, q, pp, fp, heads, hd, width)
+        self.rope_launch("rope_bwd", "dqkv", dqkv, positions, inv_freq, g)
     }
 
     fn swiglu_bwd(&self, gate_up: &CudaBuf, dact: &CudaBuf, m: usize, i: usize, dgate_up: &mut CudaBuf) -> Result<()> {
