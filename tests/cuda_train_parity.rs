@@ -11,8 +11,10 @@
 //! the order of f32 sums. Each bound says where it comes from.
 #![cfg(feature = "cuda")]
 
+#[macro_use]
 mod common;
 
+use common::cuda::*;
 use common::*;
 use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::backend::cuda::memory::TrainMemPlan;
@@ -28,66 +30,6 @@ use infomem_engine::runtime::backward::{policy_grads, TrainSeq};
 use infomem_engine::runtime::Model;
 use infomem_engine::util::rng::Rng;
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
-
-/// bf16 half-ulp: relative error of one round-to-nearest.
-const BF16_HALF_ULP: f32 = 1.0 / 512.0;
-
-fn cuda_be() -> Option<&'static CudaBackend> {
-    static BE: OnceLock<Option<CudaBackend>> = OnceLock::new();
-    BE.get_or_init(|| {
-        if !cuda::device_present() {
-            if std::env::var("INFOMEM_REQUIRE_CUDA").as_deref() == Ok("1") {
-                panic!("INFOMEM_REQUIRE_CUDA=1 but no CUDA device is visible");
-            }
-            return None;
-        }
-        Some(CudaBackend::new(0).expect("a CUDA device is visible, so the CUDA backend must open"))
-    })
-    .as_ref()
-}
-
-macro_rules! cuda_or_skip {
-    () => {
-        match cuda_be() {
-            Some(b) => b,
-            None => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
-        }
-    };
-}
-
-fn bf(x: f32) -> f32 {
-    half::bf16::from_f32(x).to_f32()
-}
-fn randn(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.normal() as f32 * scale).collect()
-}
-fn randn_bf(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| bf(rng.normal() as f32 * scale)).collect()
-}
-fn max_abs(x: &[f32]) -> f32 {
-    x.iter().fold(0f32, |a, &b| a.max(b.abs()))
-}
-
-/// |got − want| <= rel·|want| + abs for every element, with a readable failure.
-fn check(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = (g - w).abs() <= rel * w.abs() + abs;
-        assert!(ok, "{what}: element {i}: got {g} want {w} (bound {abs} + {rel}·|want|)");
-    }
-}
-
-/// Per-row bound: |got − want| <= frac · max|want row| + abs.
-fn check_rows(what: &str, got: &[f32], want: &[f32], width: usize, frac: f32, abs: f32) {
-    for (r, (g, w)) in got.chunks(width).zip(want.chunks(width)).enumerate() {
-        let m = max_abs(w);
-        check(&format!("{what} row {r}"), g, w, 0.0, frac * m + abs);
-    }
-}
 
 /// ‖a − b‖ / ‖b‖ and the cosine of the angle between them (f64).
 fn rel_and_cos(a: &[f32], b: &[f32]) -> (f64, f64) {

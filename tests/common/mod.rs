@@ -1,5 +1,8 @@
 //! Shared helpers for the integration tests: fixture paths, the reference data, the SmolLM2 dir.
 #![allow(dead_code)]
+#[cfg(feature = "cuda")]
+#[macro_use]
+pub mod cuda;
 pub mod train;
 use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::model::weights::SafetensorsSet;
