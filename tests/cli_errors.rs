@@ -208,3 +208,18 @@ fn good_input_still_succeeds() {
     assert_eq!(v["prompt_ids"], serde_json::json!([1, 2, 3]));
     assert!(v["new_ids"].as_array().unwrap().len() <= 4);
 }
+
+#[test]
+fn bad_activation_budget_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let batch = dir.path().join("batch.json");
+    std::fs::write(&batch, r#"{"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.0, "conversations": [{"prompt": [1, 2, 3], "response": [4, 5], "advantage": 1.0}]}"#).unwrap();
+    let (model, adapter, out) = (fixtures().join("tiny-llama"), fixtures().join("tiny-llama-lora"), dir.path().join("g.safetensors"));
+    let args = ["grpo-grad", "--model", s(&model), "--adapter", s(&adapter), "--batch", s(&batch), "--out", s(&out)];
+    let run = |v: &str| bin().args(args).env("INFOMEM_KEEP_ACTIVATIONS_MB", v).output().unwrap();
+    let bad = run("lots");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(1), "{err}");
+    assert!(err.contains("INFOMEM_KEEP_ACTIVATIONS_MB=\"lots\" is not a whole number of MiB"), "{err}");
+    assert!(run("0").status.success(), "a valid budget (0: recompute every layer) must work");
+}

@@ -58,8 +58,8 @@ pub trait TrainBackend: Backend {
     /// Bytes the backward may spend keeping layers' activations (and merged weights) from the
     /// forward instead of recomputing them. 0 (the default) recomputes every layer; the CUDA
     /// memory plan assumes that.
-    fn keep_activation_bytes(&self) -> usize {
-        0
+    fn keep_activation_bytes(&self) -> Result<usize> {
+        Ok(0)
     }
 
     // ---- forward ----
@@ -153,17 +153,17 @@ impl TrainBackend for CpuBackend {
     /// `INFOMEM_KEEP_ACTIVATIONS_MB` if set, else a third of the available memory, at most 8 GiB:
     /// recomputing a layer costs as much as its forward (a third of the training step), so RAM
     /// is better spent here than left idle.
-    fn keep_activation_bytes(&self) -> usize {
+    fn keep_activation_bytes(&self) -> Result<usize> {
         if let Ok(v) = std::env::var("INFOMEM_KEEP_ACTIVATIONS_MB") {
-            if let Ok(mb) = v.trim().parse::<usize>() {
-                return mb << 20;
-            }
+            let mb: usize = v.trim().parse().map_err(|_| anyhow::anyhow!("INFOMEM_KEEP_ACTIVATIONS_MB={v:?} is not a whole number of MiB (0 recomputes every layer)"))?;
+            return Ok(mb << 20);
         }
+        // no /proc/meminfo (not Linux): keep nothing, the memory-safe choice
         let avail_kb = std::fs::read_to_string("/proc/meminfo")
             .ok()
             .and_then(|m| m.lines().find(|l| l.starts_with("MemAvailable:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok()))
             .unwrap_or(0);
-        (avail_kb * 1024 / 3).min(8 << 30)
+        Ok((avail_kb * 1024 / 3).min(8 << 30))
     }
     fn lora_merge(&self, w: &mut Vec<f32>, row0: usize, a: &Vec<f32>, b: &Vec<f32>, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()> {
         ensure!(w.len() >= (row0 + n_out) * k && a.len() >= r * k && b.len() >= n_out * r, "lora_merge: buffers too small");

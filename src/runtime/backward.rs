@@ -413,7 +413,7 @@ pub fn policy_grads<B: TrainBackend, S>(
     seqs: &[TrainSeq],
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
-    let budget = model.be.keep_activation_bytes();
+    let budget = model.be.keep_activation_bytes()?;
     let per_layer = |rows: usize| rows * Kept::<B>::bytes_per_row(model) + Merged::<B>::slot_bytes(model);
     grads_inner(model, seqs, |rows| budget / per_layer(rows).max(1), loss)
 }
