@@ -141,7 +141,14 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
         let n = s.ctx_len;
         let mut kbuf = vec![0f32; n * hd];
         let mut vbuf = vec![0f32; n * hd];
-        kv.gather(layer, 0, kvh, s.pages, n, &mut kbuf);
+        kv.gather(layer, 0, kvh, s.pages, n, &mut vbuf);
+        // Kᵀ [hd, n], row-major: the score GEMM then packs its B panels by plain row copies
+        // instead of a strided transpose per query block.
+        for (j, krow) in vbuf.chunks_exact(hd).enumerate() {
+            for (t, &x) in krow.iter().enumerate() {
+                kbuf[t * n + j] = x;
+            }
+        }
         kv.gather(layer, 1, kvh, s.pages, n, &mut vbuf);
         let first_pos = n - s.n_q; // position of the first query row
         // The group's query heads share K and V: stack their rows so each block is one GEMM of
@@ -164,8 +171,8 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
                 }
             }
             unsafe {
-                // S[m, kmax] = Qg[m, hd] · K[kmax, hd]ᵀ
-                gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kbuf.as_ptr(), 1, hd as isize, scale, false);
+                // S[m, kmax] = Qg[m, hd] · Kᵀ[hd, kmax]
+                gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kbuf.as_ptr(), n as isize, 1, scale, false);
             }
             for i in 0..m {
                 let visible = first_pos + r0 + i % bq + 1;

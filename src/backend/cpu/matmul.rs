@@ -1,7 +1,7 @@
 //! `y = x Wᵀ` on the CPU.
 //!
-//! Large `m` (prefill, scoring, training) goes to the `gemm` crate, which packs and tiles for the
-//! caches and reaches ~80% of the FMA peak here. Small `m` (decode: a handful of rows) is
+//! Large `m` (prefill, scoring, training) goes to `gemm512` (our AVX-512 packed GEMM, ~88% of the
+//! FMA peak here) or, without AVX-512 or for layouts it does not take, to the `gemm` crate. Small `m` (decode: a handful of rows) is
 //! bandwidth-bound: packing `W` would cost more than the product, so a hand-written AVX2/FMA
 //! kernel streams each weight row once from memory and multiplies it against all `m` input rows
 //! held in L1 (tiles of 4 inputs × 2 weight rows = 8 accumulators).
@@ -63,7 +63,12 @@ pub unsafe fn gemm_raw(
         }
         return;
     }
-    let par = if parallel && threads() > 1 && m * n * k >= 1 << 18 {
+    let parallel = parallel && threads() > 1 && m * n * k >= 1 << 18;
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm512::available() && dst_cs == 1 && dst_rs >= 0 && n >= 32 {
+        return super::gemm512::gemm(m, n, k, dst, dst_rs as usize, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, alpha, parallel);
+    }
+    let par = if parallel {
         gemm::Parallelism::Rayon(threads())
     } else {
         gemm::Parallelism::None

@@ -1,6 +1,8 @@
-//! The CPU backend: f32 on host memory, rayon across cores, the `gemm` crate for large products
+//! The CPU backend: f32 on host memory, rayon across cores, our AVX-512 GEMM (or the `gemm` crate) for large products
 //! and hand-written kernels for the rest (see each file's top comment).
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+pub mod gemm512;
 pub mod logprob;
 pub mod matmul;
 pub mod ops;

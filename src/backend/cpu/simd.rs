@@ -76,6 +76,48 @@ mod avx {
         r
     }
 
+    /// `exp_lane` on 8 lanes, the same operations in the same order.
+    #[inline(always)]
+    pub unsafe fn exp(x: __m256) -> __m256 {
+        use super::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+        let ps = _mm256_set1_ps;
+        // max(lo, x) then min(hi, ·) keep a NaN input NaN, as `clamp` does
+        let v = _mm256_min_ps(ps(EXP_HI), _mm256_max_ps(ps(EXP_LO), x));
+        let fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, ps(LOG2E)), ps(0.5)));
+        let r = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(fx, ps(EXP_C1))), _mm256_mul_ps(fx, ps(EXP_C2)));
+        let mut y = ps(EXP_P[0]);
+        for &p in &EXP_P[1..] {
+            y = _mm256_add_ps(_mm256_mul_ps(y, r), ps(p));
+        }
+        let y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), ps(1.0));
+        let e = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127))));
+        _mm256_mul_ps(y, e)
+    }
+
+    /// Horizontal sum in the fixed order ((0+4)+(2+6)) + ((1+5)+(3+7)).
+    #[inline(always)]
+    pub unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    }
+
+    /// `x[i] = exp(x[i] − m)` over the first `n8` (a multiple of 8) elements; returns the lane sums.
+    #[inline(always)]
+    pub unsafe fn exp_sub_sum(x: *mut f32, n8: usize, m: f32, write: bool) -> f32 {
+        let (mv, mut acc) = (_mm256_set1_ps(m), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < n8 {
+            let e = exp(_mm256_sub_ps(_mm256_loadu_ps(x.add(i)), mv));
+            if write {
+                _mm256_storeu_ps(x.add(i), e);
+            }
+            acc = _mm256_add_ps(acc, e);
+            i += 8;
+        }
+        hsum(acc)
+    }
+
     #[inline(always)]
     pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
         let av = _mm256_set1_ps(alpha);
@@ -91,54 +133,74 @@ mod avx {
     }
 }
 
-/// exp of 8 lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial, exponent bits).
+const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
+const EXP_HI: f32 = 88.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const EXP_C1: f32 = 0.693_359_4;
+const EXP_C2: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+
+/// exp of one lane (Cephes expf: range reduction by ln 2, degree-5 polynomial, exponent bits).
+/// The 8-lane AVX2 path below performs exactly these operations in this order (no fused
+/// multiply-adds), so both give the same bits.
+#[inline(always)]
+fn exp_lane(x: f32) -> f32 {
+    let v = x.clamp(EXP_LO, EXP_HI);
+    let fx = (v * LOG2E + 0.5).floor();
+    let r = v - fx * EXP_C1 - fx * EXP_C2;
+    let mut y = EXP_P[0];
+    for &p in &EXP_P[1..] {
+        y = y * r + p;
+    }
+    let y = y * r * r + r + 1.0;
+    let e = f32::from_bits((((fx as i32) + 127) as u32) << 23);
+    y * e
+}
+
+/// exp of 8 lanes. Written with intrinsics because the compiler turns the scalar formula's
+/// saturating `as i32` and `floor` into per-lane code: the softmax of prefill attention took
+/// half of the attention time before (perf, `cargo bench --bench kernels -- prefill`).
 #[inline(always)]
 fn exp8(x: [f32; 8]) -> [f32; 8] {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
-    let mut out = [0f32; 8];
-    for l in 0..8 {
-        // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
-        let v = x[l].clamp(-87.336_54, 88.0);
-        let fx = (v * LOG2E + 0.5).floor();
-        let r = v - fx * C1 - fx * C2;
-        let mut y = P[0];
-        for &p in &P[1..] {
-            y = y * r + p;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    {
+        use std::arch::x86_64::*;
+        // Safety: AVX2 is enabled at compile time; loads/stores are unaligned on local arrays.
+        unsafe {
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), avx::exp(_mm256_loadu_ps(x.as_ptr())));
+            out
         }
-        let y = y * r * r + r + 1.0;
-        let e = f32::from_bits((((fx as i32) + 127) as u32) << 23);
-        out[l] = y * e;
     }
-    out
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    x.map(exp_lane)
 }
 
 /// Scalar exp with the same numerics as the vector path.
 #[inline]
 pub fn exp(x: f32) -> f32 {
-    exp8([x; 8])[0]
+    exp_lane(x)
 }
 
 /// x[i] ← exp(x[i] − m); returns Σ of the new values (f32 lanes, fixed order).
 #[inline]
 pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut chunks = x.chunks_exact_mut(8);
-    for c in &mut chunks {
-        let mut v = [0f32; 8];
-        for l in 0..8 {
-            v[l] = c[l] - m;
+    let n8 = x.len() & !7;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    // Safety: n8 ≤ x.len().
+    let mut s = unsafe { avx::exp_sub_sum(x.as_mut_ptr(), n8, m, true) };
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    let mut s = {
+        let mut acc = [0f32; 8];
+        for c in x[..n8].chunks_exact_mut(8) {
+            for l in 0..8 {
+                c[l] = exp_lane(c[l] - m);
+                acc[l] += c[l];
+            }
         }
-        let e = exp8(v);
-        for l in 0..8 {
-            c[l] = e[l];
-            acc[l] += e[l];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for v in chunks.into_remainder() {
+        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) // as avx::hsum
+    };
+    for v in &mut x[n8..] {
         *v = exp(*v - m);
         s += *v;
     }
@@ -148,21 +210,21 @@ pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
 /// Σ exp(x[i] − m) without writing (for log-sum-exps over logits).
 #[inline]
 pub fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rem = chunks.remainder();
-    for c in chunks {
-        let mut v = [0f32; 8];
-        for l in 0..8 {
-            v[l] = c[l] - m;
+    let n8 = x.len() & !7;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    // Safety: n8 ≤ x.len(); with write = false nothing is stored through the pointer.
+    let mut s = unsafe { avx::exp_sub_sum(x.as_ptr() as *mut f32, n8, m, false) };
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    let mut s = {
+        let mut acc = [0f32; 8];
+        for c in x[..n8].chunks_exact(8) {
+            for l in 0..8 {
+                acc[l] += exp_lane(c[l] - m);
+            }
         }
-        let e = exp8(v);
-        for l in 0..8 {
-            acc[l] += e[l];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for &v in rem {
+        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) // as avx::hsum
+    };
+    for &v in &x[n8..] {
         s += exp(v - m);
     }
     s
@@ -221,6 +283,18 @@ mod tests {
         }
         assert!(worst < 3e-7, "max relative error {worst}");
         assert!(exp(-1e30) < 1e-37 && exp(-1e30) >= 0.0);
+        // the 8-lane path gives the scalar path's bits, NaN stays NaN
+        let mut x = -100.0f32;
+        while x < 100.0 {
+            let lanes = [x, x + 0.001, -x, x * 0.5, x - 1e-3, 0.0, -0.0, x * 1e-3];
+            let v = exp8(lanes);
+            for l in 0..8 {
+                assert_eq!(v[l].to_bits(), exp_lane(lanes[l]).to_bits(), "exp({})", lanes[l]);
+            }
+            x += 0.0173;
+        }
+        assert!(exp8([f32::NAN; 8])[3].is_nan() && exp(f32::NAN).is_nan());
+        assert_eq!(exp8([f32::NEG_INFINITY; 8])[0], exp(f32::NEG_INFINITY));
         let mut v: Vec<f32> = (0..21).map(|i| i as f32 * 0.3 - 2.0).collect();
         let want: f32 = v.iter().map(|x| (x - 1.0).exp()).sum();
         assert!((sum_exp_sub(&v, 1.0) - want).abs() < 1e-5 * want);

@@ -185,55 +185,69 @@ simd_kernel! {
 // ---------------------------------------------------------------------------------------------
 // Attention
 
-/// Every (sequence, query head, query block) of a dense batch.
-fn attn_blocks(seqs: &[DenseSeq], heads: usize) -> Vec<(usize, usize, usize)> {
-    let mut v = Vec::new();
-    for (si, s) in seqs.iter().enumerate() {
-        for h in 0..heads {
-            for r0 in (0..s.len).step_by(BQ) {
-                v.push((si, h, r0));
-            }
-        }
-    }
-    // longest blocks first (a block's cost grows with its last row)
-    v.sort_by_key(|&(_, _, r0)| std::cmp::Reverse(r0));
-    v
-}
-
 pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
-    let (hd, nh) = (g.head_dim, g.n_heads);
-    let group = g.n_heads / g.n_kv_heads;
+    let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
+    let group = nh / nkv;
     let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
     let scale = 1.0 / (hd as f32).sqrt();
     let outp = SendPtr(out.as_mut_ptr());
     let lsep = SendPtr(lse.as_mut_ptr());
-    let blocks = attn_blocks(seqs, nh);
-    blocks.par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, &(si, qh, r0)| {
+    // One task per (sequence, kv head), longest first. The group's query heads share K and V, so
+    // their rows are stacked into one product of `group·bq` rows per block (as in prefill).
+    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
+    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
-        let bq = BQ.min(s.len - r0);
-        let kmax = r0 + bq;
-        scores.resize(bq * kmax, 0.0);
-        let kvh = qh / group;
-        // Safety: pointers stay inside qkv/out/lse; each block writes its own rows × head columns.
+        let n = s.len;
+        let cap = BQ.min(n) * group;
+        let mut scores = vec![0f32; cap * n];
+        let (mut qg, mut og) = (vec![0f32; cap * hd], vec![0f32; cap * hd]);
+        // Kᵀ [hd, n]: the score product then reads its B operand row-major
+        let mut kt = vec![0f32; hd * n];
+        // Safety: pointers stay inside qkv/out/lse; this task writes only its rows × its group's heads.
         unsafe {
-            let qptr = qkv.as_ptr().add((s.row0 + r0) * width + qh * hd);
             let kptr = qkv.as_ptr().add(s.row0 * width + q_dim + kvh * hd);
             let vptr = kptr.add(kv_dim);
-            // S[bq, kmax] = scale · Q Kᵀ
-            gemm_raw(bq, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kptr, 1, width as isize, scale, false);
-            for r in 0..bq {
-                let vis = r0 + r + 1;
-                let row = &mut scores[r * kmax..(r + 1) * kmax];
-                let m = row[..vis].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum = exp_sub_sum(&mut row[..vis], m);
-                let inv = 1.0 / sum;
-                row[..vis].iter_mut().for_each(|p| *p *= inv);
-                row[vis..].fill(0.0);
-                *lsep.get().add((s.row0 + r0 + r) * nh + qh) = m + sum.ln();
+            for j in 0..n {
+                for t in 0..hd {
+                    kt[t * n + j] = *kptr.add(j * width + t);
+                }
             }
-            // O[bq, hd] = P V
-            let optr = outp.get().add((s.row0 + r0) * q_dim + qh * hd);
-            gemm_raw(bq, hd, kmax, optr, q_dim as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vptr, width as isize, 1, 1.0, false);
+            let mut r0 = 0;
+            while r0 < n {
+                let bq = BQ.min(n - r0);
+                let kmax = r0 + bq;
+                let m = group * bq;
+                // qg[h·bq + r] = q of head (kvh·group + h) at row r0 + r
+                for r in 0..bq {
+                    let src = &qkv[(s.row0 + r0 + r) * width + kvh * group * hd..][..group * hd];
+                    for h in 0..group {
+                        qg[(h * bq + r) * hd..(h * bq + r + 1) * hd].copy_from_slice(&src[h * hd..(h + 1) * hd]);
+                    }
+                }
+                // S[m, kmax] = scale · Qg Kᵀ
+                gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kt.as_ptr(), n as isize, 1, scale, false);
+                for i in 0..m {
+                    let (h, r) = (i / bq, i % bq);
+                    let vis = r0 + r + 1;
+                    let row = &mut scores[i * kmax..(i + 1) * kmax];
+                    let mx = row[..vis].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let sum = exp_sub_sum(&mut row[..vis], mx);
+                    let inv = 1.0 / sum;
+                    row[..vis].iter_mut().for_each(|p| *p *= inv);
+                    row[vis..].fill(0.0);
+                    *lsep.get().add((s.row0 + r0 + r) * nh + kvh * group + h) = mx + sum.ln();
+                }
+                // Og[m, hd] = P V
+                gemm_raw(m, hd, kmax, og.as_mut_ptr(), hd as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vptr, width as isize, 1, 1.0, false);
+                for r in 0..bq {
+                    let dst = outp.get().add((s.row0 + r0 + r) * q_dim + kvh * group * hd);
+                    for h in 0..group {
+                        std::ptr::copy_nonoverlapping(og.as_ptr().add((h * bq + r) * hd), dst.add(h * hd), hd);
+                    }
+                }
+                r0 += bq;
+            }
         }
     });
 }
@@ -253,15 +267,20 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
         let n = s.len;
         let mut pbuf = vec![0f32; BQ.min(n) * n];
         let mut dsbuf = vec![0f32; BQ.min(n) * n];
+        // Kᵀ, Vᵀ [hd, n] and the accumulators dKᵀ, dVᵀ: with the key index contiguous, every
+        // product below reads its B operand row-major (cheap panel copies) and the dK/dV
+        // products take the small Qᵀ/dOᵀ as their strided A, not the large dSᵀ/Pᵀ.
+        let (mut kt, mut vt) = (vec![0f32; hd * n], vec![0f32; hd * n]);
+        let (mut dkt, mut dvt) = (vec![0f32; hd * n], vec![0f32; hd * n]);
         // Safety: every write below goes to rows of this sequence, in columns owned by this task.
         unsafe {
             let kptr = qkv.as_ptr().add(s.row0 * width + q_dim + kvh * hd);
             let vptr = kptr.add(kv_dim);
-            let dkptr = dp.get().add(s.row0 * width + q_dim + kvh * hd);
-            let dvptr = dkptr.add(kv_dim);
             for j in 0..n {
-                std::ptr::write_bytes(dkptr.add(j * width), 0, hd);
-                std::ptr::write_bytes(dvptr.add(j * width), 0, hd);
+                for t in 0..hd {
+                    kt[t * n + j] = *kptr.add(j * width + t);
+                    vt[t * n + j] = *vptr.add(j * width + t);
+                }
             }
             for qh in kvh * group..(kvh + 1) * group {
                 let mut r0 = 0;
@@ -274,9 +293,9 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
                     let qptr = qkv.as_ptr().add(row_a * width + qh * hd);
                     let doptr = dout.as_ptr().add(row_a * q_dim + qh * hd);
                     // S = Q Kᵀ (unscaled; the scale goes into the exponent)
-                    gemm_raw(bq, kmax, hd, p.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kptr, 1, width as isize, 1.0, false);
+                    gemm_raw(bq, kmax, hd, p.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kt.as_ptr(), n as isize, 1, 1.0, false);
                     // dP = dO Vᵀ
-                    gemm_raw(bq, kmax, hd, ds.as_mut_ptr(), kmax as isize, 1, false, doptr, q_dim as isize, 1, vptr, 1, width as isize, 1.0, false);
+                    gemm_raw(bq, kmax, hd, ds.as_mut_ptr(), kmax as isize, 1, false, doptr, q_dim as isize, 1, vt.as_ptr(), n as isize, 1, 1.0, false);
                     for r in 0..bq {
                         let vis = r0 + r + 1;
                         let row = row_a + r;
@@ -293,11 +312,19 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
                     // dQ = scale · dS K
                     let dqptr = dp.get().add(row_a * width + qh * hd);
                     gemm_raw(bq, hd, kmax, dqptr, width as isize, 1, false, ds.as_ptr(), kmax as isize, 1, kptr, width as isize, 1, scale, false);
-                    // dK += scale · dSᵀ Q
-                    gemm_raw(kmax, hd, bq, dkptr, width as isize, 1, true, ds.as_ptr(), 1, kmax as isize, qptr, width as isize, 1, scale, false);
-                    // dV += Pᵀ dO
-                    gemm_raw(kmax, hd, bq, dvptr, width as isize, 1, true, p.as_ptr(), 1, kmax as isize, doptr, q_dim as isize, 1, 1.0, false);
+                    // dKᵀ[:, ..kmax] += scale · Qᵀ dS
+                    gemm_raw(hd, kmax, bq, dkt.as_mut_ptr(), n as isize, 1, true, qptr, 1, width as isize, ds.as_ptr(), kmax as isize, 1, scale, false);
+                    // dVᵀ[:, ..kmax] += dOᵀ P
+                    gemm_raw(hd, kmax, bq, dvt.as_mut_ptr(), n as isize, 1, true, doptr, 1, q_dim as isize, p.as_ptr(), kmax as isize, 1, 1.0, false);
                     r0 += bq;
+                }
+            }
+            let dkptr = dp.get().add(s.row0 * width + q_dim + kvh * hd);
+            let dvptr = dkptr.add(kv_dim);
+            for j in 0..n {
+                for t in 0..hd {
+                    *dkptr.add(j * width + t) = dkt[t * n + j];
+                    *dvptr.add(j * width + t) = dvt[t * n + j];
                 }
             }
         }
