@@ -4,6 +4,10 @@ mod cli;
 
 use clap::{Parser, Subcommand};
 
+/// Large freed blocks are kept for reuse (see `util::alloc`): training steps stop re-faulting GBs.
+#[global_allocator]
+static ALLOC: infomem_engine::util::alloc::CachingAlloc = infomem_engine::util::alloc::CachingAlloc::new();
+
 #[derive(Parser)]
 #[command(name = "infomem-engine", version, about = "Train long-context memory agents with GRPO and the InfoMem reward, on one GPU or the CPU.")]
 struct Cli {

@@ -10,7 +10,7 @@
 #                 their definitions are in tools/bench_torch.py's docstring
 #   --device      cpu (default) or cuda (the engine gets --backend cuda)
 #   --dtype       dtype of the PyTorch side (default float32 on cpu, bfloat16 on cuda)
-#   --repeat R    timed runs of the PyTorch side (median reported; default 1)
+#   --repeat R    timed runs of each side after a same-shape warm-up (median reported; default 1)
 #   --out FILE    also write every raw JSON line (engine and torch) to FILE
 #
 # For each work it runs the engine first,
@@ -110,7 +110,7 @@ for w in $WORKS; do
   # engine
   e_line=""
   if [ "$ENGINE_OK" = 1 ]; then
-    ecmd=("$BIN" bench --model "$MODEL" --work "$w" --json)
+    ecmd=("$BIN" bench --model "$MODEL" --work "$w" --repeat "$REPEAT" --stat median --json)
     [ "$DEVICE" = cuda ] && ecmd+=(--backend cuda)
     CMDS+=("$(quote "${ecmd[@]}")")
     echo "bench-compare: [$w] engine: $(quote "${ecmd[@]}")" >&2
@@ -182,7 +182,8 @@ if [ "$DEVICE" = cuda ]; then
 fi
 echo "- model: $MODEL"
 echo "- engine: ${ENGINE_VER:-$([ "$ENGINE_OK" = 1 ] && echo "$BIN" || echo "not run ($BIN missing)")}"
-echo "- PyTorch side: ${TORCH_VER:-not run} (${DTYPE:-default dtype}, median of $REPEAT)"
+echo "- PyTorch side: ${TORCH_VER:-not run} (${DTYPE:-default dtype})"
+echo "- each side: one warm-up with the same shapes, then the median of $REPEAT timed runs"
 echo
 echo "| work | engine tok/s | torch tok/s | ratio | target |"
 echo "|---|---:|---:|---:|---|"

@@ -8,6 +8,12 @@ use infomem_engine::runtime::Model;
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Stat {
+    Median,
+    Best,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Work {
     Score,
     Decode,
@@ -42,9 +48,13 @@ pub struct BenchArgs {
     /// `rollout`: sections read per rollout (default: 8).
     #[arg(long)]
     pub chunks: Option<usize>,
-    /// Timed repetitions (the best is reported); one untimed warm-up run precedes them.
+    /// Timed repetitions; one untimed warm-up run with the same shapes precedes them (as in
+    /// tools/bench_torch.py: decode warms up with 8 new tokens, rollout with 2 rollouts of one section).
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
+    /// Which of the repetitions' times is reported (median, as tools/bench_torch.py does by default).
+    #[arg(long, value_enum, default_value_t = Stat::Median)]
+    pub stat: Stat,
     #[arg(long)]
     pub json: bool,
 }
@@ -116,17 +126,28 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
         Work::Decode | Work::Rollout if shape.new_tokens == 0 => bail!("--new-tokens must be at least 1"),
         _ => {}
     }
-    // warm-up: same shapes, fewer sequences
-    let warm = BenchShape { batch: shape.batch.min(2), new_tokens: shape.new_tokens.min(8), ..shape };
+    // Warm-up with the timed shapes (thread pool, caches and the allocator reach steady state),
+    // except the long generations: decode/rollout produce only a few tokens, rollout with 2 rows.
+    let warm = match a.work {
+        Work::Rollout => BenchShape { batch: shape.batch.min(2), new_tokens: shape.new_tokens.min(8), ..shape },
+        _ => BenchShape { new_tokens: shape.new_tokens.min(8), ..shape },
+    };
     run(warm, 1)?;
-    let mut best = f64::INFINITY;
+    let mut times = Vec::with_capacity(a.repeat);
     let mut tokens = 0;
     for r in 0..a.repeat {
         let (n, s) = run(shape, 7 + r as u64)?;
         tokens = n;
-        best = best.min(s);
+        times.push(s);
     }
-    let tps = tokens as f64 / best;
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let secs = match a.stat {
+        Stat::Best => sorted[0],
+        // statistics.median: the mean of the middle two for an even count
+        Stat::Median => (sorted[(sorted.len() - 1) / 2] + sorted[sorted.len() / 2]) / 2.0,
+    };
+    let tps = tokens as f64 / secs;
     let work = format!("{:?}", a.work).to_lowercase();
     let cuda = model.be.name().starts_with("cuda");
     if a.json {
@@ -144,12 +165,14 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
             "new_tokens": shape.new_tokens,
             "chunks": if a.work == Work::Rollout { Some(a.chunks.unwrap_or(8)) } else { None },
             "tokens": tokens,
-            "seconds": best,
+            "seconds": secs,
             "tokens_per_s": tps,
             "repeat": a.repeat,
+            "stat": format!("{:?}", a.stat).to_lowercase(),
+            "seconds_all": times,
         }));
     } else {
-        println!("{work}: {tokens} tokens in {best:.3} s = {tps:.1} tokens/s ({})", model.be.name());
+        println!("{work}: {tokens} tokens in {secs:.3} s = {tps:.1} tokens/s ({})", model.be.name());
     }
     Ok(())
 }
