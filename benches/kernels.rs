@@ -4,7 +4,7 @@
 //! `cargo bench --bench kernels` (add a filter, e.g. `-- gemm`). Whole-model figures against
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use infomem_engine::backend::cpu::{attention, matmul::gemm_raw, CpuBackend};
+use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend};
 use infomem_engine::backend::train::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
 use std::hint::black_box;
@@ -39,6 +39,28 @@ fn gemms(c: &mut Criterion) {
     g.finish();
 }
 
+/// Decode: 8 rows against each weight matrix, bandwidth-bound (throughput in weight bytes).
+fn decode_matmul(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode matmul");
+    g.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    // qkv, gate_up, down and the LM head of SmolLM2-135M; several copies so the weights come from DRAM
+    for &(k, n) in &[(576usize, 960usize), (576, 3072), (1536, 576), (576, 49152)] {
+        let copies = (256 << 20) / (n * k * 4) + 1;
+        let ws: Vec<Vec<f32>> = (0..copies).map(|i| data(n * k, i as u32)).collect();
+        let x = data(8 * k, 9);
+        let mut out = vec![0f32; 8 * n];
+        let mut i = 0;
+        g.throughput(Throughput::Bytes((n * k * 4) as u64));
+        g.bench_function(format!("8 rows x {k}x{n}"), |b| {
+            b.iter(|| {
+                i = (i + 1) % copies;
+                matmul::matmul(&x, &ws[i], None, 8, k, n, &mut out)
+            })
+        });
+    }
+    g.finish();
+}
+
 fn prefill_attention(c: &mut Criterion) {
     let be = CpuBackend::new();
     let (seqs_n, len) = (8usize, 512usize);
@@ -67,5 +89,5 @@ fn prefill_attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gemms, prefill_attention);
+criterion_group!(benches, gemms, decode_matmul, prefill_attention);
 criterion_main!(benches);
