@@ -2,7 +2,7 @@
 # The main job on a fresh machine, on the CPU: fetch SmolLM2-135M-Instruct, make a synthetic
 # needle task (train + held-out), evaluate the base model, train a LoRA with GRPO + InfoMem,
 # evaluate the trained adapter on the same held-out questions, print the comparison.
-# About 20-25 minutes on 2 cores. Usage: tools/demo.sh [OUT_DIR] [extra train flags...]
+# About 15 minutes on 2 cores. Usage: tools/demo.sh [OUT_DIR] [extra train flags...]
 #   e.g. tools/demo.sh runs/demo-outcome --reward outcome     (the ablation at the same budget)
 set -euo pipefail
 cd "$(dirname "$0")/.."

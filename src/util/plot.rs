@@ -155,7 +155,21 @@ impl Chart {
         let (w, h) = (w as i64, h as i64);
         let black = [0, 0, 0];
         let grey = [225, 225, 225];
-        let (left, right, top, bottom) = (90i64, 30i64, 50i64, 70i64);
+        // The legend gets its own rows between the title and the plot, so it never hides data:
+        // entries laid out left to right, wrapping at the plot's width.
+        let (left, right, bottom) = (90i64, 30i64, 70i64);
+        let mut legend: Vec<(i64, i64)> = Vec::with_capacity(self.series.len()); // (x, row)
+        let (mut lx, mut row) = (left, 0i64);
+        for s in &self.series {
+            let wd = 28 + text_width(&s.name, 2) + 24;
+            if lx > left && lx + wd > w - right {
+                (lx, row) = (left, row + 1);
+            }
+            legend.push((lx, row));
+            lx += wd;
+        }
+        let rows = if self.series.is_empty() { 0 } else { row + 1 };
+        let top = 40 + rows * 20 + 10;
         let (pw, ph) = (w - left - right, h - top - bottom);
         let pts: Vec<(f64, f64)> = self.series.iter().flat_map(|s| s.points.iter().copied()).filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
         let (mut x0, mut x1) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |a, p| (a.0.min(p.0), a.1.max(p.0)));
@@ -218,14 +232,11 @@ impl Chart {
                 }
             }
         }
-        // legend
-        let mut ly = top + 8;
-        for (si, s) in self.series.iter().enumerate() {
+        for (si, (s, &(lx, row))) in self.series.iter().zip(&legend).enumerate() {
             let col = PALETTE[si % PALETTE.len()];
-            let lx = left + pw - 16 - text_width(&s.name, 2) - 30;
+            let ly = 40 + row * 20;
             c.rect(lx, ly + 4, lx + 20, ly + 8, col);
             c.text(lx + 28, ly, &s.name, 2, black);
-            ly += 20;
         }
         c.text((w - text_width(&self.title, 2)) / 2, 14, &self.title, 2, black);
         c.text(left + (pw - text_width(&self.x_label, 2)) / 2, h - 30, &self.x_label, 2, black);

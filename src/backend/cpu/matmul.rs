@@ -1,10 +1,11 @@
 //! `y = x Wᵀ` on the CPU.
 //!
-//! Large `m` (prefill, scoring, training) goes to `gemm512` (our AVX-512 packed GEMM, ~88% of the
-//! FMA peak here) or, without AVX-512 or for layouts it does not take, to the `gemm` crate. Small `m` (decode: a handful of rows) is
-//! bandwidth-bound: packing `W` would cost more than the product, so a hand-written AVX2/FMA
-//! kernel streams each weight row once from memory and multiplies it against all `m` input rows
-//! held in L1 (tiles of 4 inputs × 2 weight rows = 8 accumulators).
+//! Large `m` (prefill, scoring, training) goes to `gemm512` (our AVX-512 packed GEMM, ~90% of the
+//! FMA peak here) or, without AVX-512 or for outputs narrower than one 32-column panel, to the
+//! `gemm` crate. Small `m` (decode: a handful of rows) is bandwidth-bound: packing `W` would cost
+//! more than the product, so a hand-written AVX2/FMA kernel streams each weight row once from
+//! memory and multiplies it against all `m` input rows held in L1 (tiles of 4 inputs × 2 weight
+//! rows = 8 accumulators).
 use rayon::prelude::*;
 
 /// Below this many rows, `matmul` uses the streaming kernel.
