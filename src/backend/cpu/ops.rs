@@ -19,6 +19,19 @@ pub fn gather_rows(x: &[f32], rows: &[u32], d: usize, out: &mut [f32]) {
     }
 }
 
+/// `dst[c·dst_rs + r] = src[r·src_rs + c]` for `rows × cols`: the attention kernels keep Kᵀ
+/// (and dKᵀ, dVᵀ) with the key index contiguous, so their GEMMs read B row-major.
+///
+/// # Safety
+/// Both strided extents must be valid and must not overlap.
+pub unsafe fn transpose(src: *const f32, src_rs: usize, rows: usize, cols: usize, dst: *mut f32, dst_rs: usize) {
+    for r in 0..rows {
+        for c in 0..cols {
+            *dst.add(c * dst_rs + r) = *src.add(r * src_rs + c);
+        }
+    }
+}
+
 /// 1/rms of a row, accumulated in f32 like transformers' `hidden.pow(2).mean(-1)`.
 #[inline]
 pub fn inv_rms(x: &[f32], eps: f32) -> f32 {

@@ -11,7 +11,7 @@
 //!   for AVX2+FMA when the CPU has it.
 use crate::backend::cpu::attention::dot;
 use crate::backend::cpu::matmul::{gemm_raw, SendPtr};
-use crate::backend::cpu::ops::inv_rms;
+use crate::backend::cpu::ops::{inv_rms, transpose};
 use crate::backend::train::{AdamWStep, DenseSeq, HeadOut};
 use crate::backend::AttnGeom;
 use rayon::prelude::*;
@@ -208,11 +208,7 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
         unsafe {
             let kptr = qkv.as_ptr().add(s.row0 * width + q_dim + kvh * hd);
             let vptr = kptr.add(kv_dim);
-            for j in 0..n {
-                for t in 0..hd {
-                    kt[t * n + j] = *kptr.add(j * width + t);
-                }
-            }
+            transpose(kptr, width, n, hd, kt.as_mut_ptr(), n);
             let mut r0 = 0;
             while r0 < n {
                 let bq = BQ.min(n - r0);
@@ -276,12 +272,8 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
         unsafe {
             let kptr = qkv.as_ptr().add(s.row0 * width + q_dim + kvh * hd);
             let vptr = kptr.add(kv_dim);
-            for j in 0..n {
-                for t in 0..hd {
-                    kt[t * n + j] = *kptr.add(j * width + t);
-                    vt[t * n + j] = *vptr.add(j * width + t);
-                }
-            }
+            transpose(kptr, width, n, hd, kt.as_mut_ptr(), n);
+            transpose(vptr, width, n, hd, vt.as_mut_ptr(), n);
             for qh in kvh * group..(kvh + 1) * group {
                 let mut r0 = 0;
                 while r0 < n {
@@ -321,12 +313,8 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
             }
             let dkptr = dp.get().add(s.row0 * width + q_dim + kvh * hd);
             let dvptr = dkptr.add(kv_dim);
-            for j in 0..n {
-                for t in 0..hd {
-                    *dkptr.add(j * width + t) = dkt[t * n + j];
-                    *dvptr.add(j * width + t) = dvt[t * n + j];
-                }
-            }
+            transpose(dkt.as_ptr(), n, hd, n, dkptr, width);
+            transpose(dvt.as_ptr(), n, hd, n, dvptr, width);
         }
     });
 }
