@@ -65,10 +65,7 @@ mod avx {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
             i += 8;
         }
-        let v = _mm256_add_ps(acc0, acc1);
-        let s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let mut r = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+        let mut r = hsum(_mm256_add_ps(acc0, acc1));
         while i < n {
             r += *a.add(i) * *b.add(i);
             i += 1;
