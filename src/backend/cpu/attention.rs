@@ -160,13 +160,7 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
             let bq = BQ.min(s.n_q - r0);
             let kmax = first_pos + r0 + bq; // keys visible to the block's last row
             let m = group * bq;
-            // qg[h·bq + r] = q of head (kvh·group + h) at row r0 + r
-            for r in 0..bq {
-                let src = &qkv[(s.q_row + r0 + r) * width + kvh * gq..][..gq];
-                for h in 0..group {
-                    qg[(h * bq + r) * hd..(h * bq + r + 1) * hd].copy_from_slice(&src[h * hd..(h + 1) * hd]);
-                }
-            }
+            stack_group(qkv, width, s.q_row + r0, kvh * gq, bq, group, hd, &mut qg);
             unsafe {
                 // S[m, kmax] = Qg[m, hd] · Kᵀ[hd, kmax]
                 gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kbuf.as_ptr(), n as isize, 1, scale, false);
@@ -181,16 +175,38 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
                 // Og[m, hd] = P[m, kmax] · V[kmax, hd]
                 gemm_raw(m, hd, kmax, og.as_mut_ptr(), hd as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vbuf.as_ptr(), hd as isize, 1, 1.0, false);
             }
-            for r in 0..bq {
-                // Safety: rows r0.. of this sequence, heads of this kv group: written by this task only
-                let dst = unsafe { std::slice::from_raw_parts_mut(outp.get().add((s.q_row + r0 + r) * q_dim + kvh * gq), gq) };
-                for h in 0..group {
-                    dst[h * hd..(h + 1) * hd].copy_from_slice(&og[(h * bq + r) * hd..(h * bq + r + 1) * hd]);
-                }
-            }
+            // Safety: rows r0.. of this sequence, heads of this kv group: written by this task only
+            unsafe { unstack_group(&og, bq, group, hd, outp.get(), q_dim, s.q_row + r0, kvh * gq) };
             r0 += bq;
         }
     });
+}
+
+/// `qg[h·bq + r] = qkv[row0 + r, col0 + h·hd ..][..hd]`: the query heads of one GQA group for
+/// `bq` rows, stacked head-major so one product of `group·bq` rows serves the whole group.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stack_group(qkv: &[f32], width: usize, row0: usize, col0: usize, bq: usize, group: usize, hd: usize, qg: &mut [f32]) {
+    for r in 0..bq {
+        let src = &qkv[(row0 + r) * width + col0..][..group * hd];
+        for h in 0..group {
+            qg[(h * bq + r) * hd..(h * bq + r + 1) * hd].copy_from_slice(&src[h * hd..(h + 1) * hd]);
+        }
+    }
+}
+
+/// The inverse of `stack_group`, into `out` (rows of `ld`).
+///
+/// # Safety
+/// `out` must cover rows `row0..row0 + bq` of `ld`, columns `col0..col0 + group·hd`, and no one
+/// else may access them meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn unstack_group(og: &[f32], bq: usize, group: usize, hd: usize, out: *mut f32, ld: usize, row0: usize, col0: usize) {
+    for r in 0..bq {
+        let dst = out.add((row0 + r) * ld + col0);
+        for h in 0..group {
+            std::ptr::copy_nonoverlapping(og[(h * bq + r) * hd..][..hd].as_ptr(), dst.add(h * hd), hd);
+        }
+    }
 }
 
 /// Sequences with at most this many query rows read the pages directly; longer ones gather K/V

@@ -66,8 +66,9 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, c: *mut f32, ldc: usize, accumu
     let nc = NC.min(n.next_multiple_of(NR));
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     let mut pack = PACK.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    pack.clear();
-    pack.resize(kc * nc, 0.0);
+    if pack.len() < kc * nc {
+        pack.resize(kc * nc, 0.0); // grown only: pack_b writes every element a panel uses
+    }
     let (cp, ap, bp, pk) = (SendPtr(c), SendPtr(a as *mut f32), SendPtr(b as *mut f32), SendPtr(pack.as_mut_ptr()));
     for pc in (0..k).step_by(kc) {
         let kb = kc.min(k - pc);

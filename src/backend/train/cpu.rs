@@ -9,7 +9,7 @@
 //!   log-probability and the entropy come out of one pass of two GEMMs per tile.
 //! - Exponentials in the hot loops use a vectorizable polynomial (`exp_fast`, ~1 ulp), compiled
 //!   for AVX2+FMA when the CPU has it.
-use crate::backend::cpu::attention::dot;
+use crate::backend::cpu::attention::{dot, stack_group, unstack_group};
 use crate::backend::cpu::matmul::{gemm_raw, SendPtr};
 use crate::backend::cpu::ops::{inv_rms, transpose};
 use crate::backend::train::{AdamWStep, DenseSeq, HeadOut};
@@ -214,13 +214,7 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
                 let bq = BQ.min(n - r0);
                 let kmax = r0 + bq;
                 let m = group * bq;
-                // qg[h·bq + r] = q of head (kvh·group + h) at row r0 + r
-                for r in 0..bq {
-                    let src = &qkv[(s.row0 + r0 + r) * width + kvh * group * hd..][..group * hd];
-                    for h in 0..group {
-                        qg[(h * bq + r) * hd..(h * bq + r + 1) * hd].copy_from_slice(&src[h * hd..(h + 1) * hd]);
-                    }
-                }
+                stack_group(qkv, width, s.row0 + r0, kvh * group * hd, bq, group, hd, &mut qg);
                 // S[m, kmax] = scale · Qg Kᵀ
                 gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kt.as_ptr(), n as isize, 1, scale, false);
                 for i in 0..m {
@@ -236,12 +230,7 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
                 }
                 // Og[m, hd] = P V
                 gemm_raw(m, hd, kmax, og.as_mut_ptr(), hd as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vptr, width as isize, 1, 1.0, false);
-                for r in 0..bq {
-                    let dst = outp.get().add((s.row0 + r0 + r) * q_dim + kvh * group * hd);
-                    for h in 0..group {
-                        std::ptr::copy_nonoverlapping(og.as_ptr().add((h * bq + r) * hd), dst.add(h * hd), hd);
-                    }
-                }
+                unstack_group(&og, bq, group, hd, outp.get(), q_dim, s.row0 + r0, kvh * group * hd);
                 r0 += bq;
             }
         }
