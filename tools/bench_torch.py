@@ -55,6 +55,16 @@ Workloads (defaults are the sizes the benchmark issues fix; all overridable by f
            tokens/s = n * chunks * memory_tokens generated tokens / total seconds.
 
   all      score, decode, train in sequence (one JSON line each).
+
+`--grad-checkpointing` (train): recompute each layer's activations in the backward
+(transformers' gradient checkpointing, non-reentrant), so larger shapes fit in memory; the
+JSON says which was used.
+
+Several cases in one process (the model is built once; PEFT wraps it for `train`, so train
+cases run last): `--case NAME:WORK:FLAGS` (repeatable), e.g.
+    --case "score-8x4096:score:--batch 8 --seq-len 4096 --score-last 64"
+Each case prints its JSON line with "case": NAME; a case that fails (out of memory, say)
+prints {"impl": "torch", "case": NAME, "work": WORK, "error": "..."} and the others still run.
 """
 
 import argparse
@@ -232,6 +242,13 @@ def work_train(model, args, device, vocab, gen):
 
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
                       target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    if args.grad_checkpointing:
+        # non-reentrant checkpointing needs no input that requires grad (the base is frozen);
+        # transformers >= 5.2x names it activation checkpointing
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model = get_peft_model(model, lora)
     peft_model.train()
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
@@ -258,6 +275,7 @@ def work_train(model, args, device, vocab, gen):
     extra = {"batch": args.batch, "seq_len": args.seq_len, "loss_tokens_per_seq": args.train_last,
              "lora_r": 16, "lora_alpha": 32, "lora_targets": LORA_TARGETS,
              "trainable_params": trainable, "logits_to_keep": bool(kw),
+             "grad_checkpointing": bool(args.grad_checkpointing),
              "optimizer_step": False, "result": result}
     return run, args.batch * args.seq_len, extra
 
@@ -280,8 +298,10 @@ def work_rollout(model, args, device, vocab, gen):
                 memory = out[:, prompt.shape[1]:][:, :args.memory_tokens]
         result["prefill_tokens"] = prefill
 
+    # batch / seq_len / new_tokens: the names infomem-engine's bench JSON uses for the same sizes
     extra = {"rollout_n": n, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
-             "memory_tokens": args.memory_tokens, "prefix_sharing": False,
+             "memory_tokens": args.memory_tokens, "batch": n, "seq_len": args.chunk_tokens,
+             "new_tokens": args.memory_tokens, "prefix_sharing": False,
              "generated_tokens": n * args.chunks * args.memory_tokens, "result": result}
     return run, n * args.chunks * args.memory_tokens, extra
 
@@ -291,8 +311,8 @@ WORKS = {"score": work_score, "decode": work_decode, "train": work_train, "rollo
 
 # ---------------------------------------------------------------------------------------------
 
-def bench(work, args, device, dtype):
-    model, name = load_model(args, device, dtype)
+def bench(work, args, device, dtype, loaded=None):
+    model, name = loaded or load_model(args, device, dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     run, tokens, extra = WORKS[work](model, args, device, vocab, gen)
@@ -322,6 +342,8 @@ def bench(work, args, device, dtype):
     if device.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(device)
         rec["max_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    if getattr(args, "case", None):
+        rec["case"] = args.case
     rec.update(extra)
 
     human = (f"torch {work}: {tokens} tokens in {seconds:.3f}s ({args.stat} of {args.repeat}) = "
@@ -330,11 +352,71 @@ def bench(work, args, device, dtype):
     log(human)
     if not args.json:
         print(human, flush=True)
-    print(json.dumps(rec), flush=True)
+    emit(args, rec)
 
     del model, run
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def emit(args, rec):
+    """Print one JSON line (and append it to --jsonl), with the --tag fields."""
+    for kv in args.tag or []:
+        k, _, v = kv.partition("=")
+        rec[k] = v
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            f.write(line + "\n")
+
+
+def run_cases(p, args, device, dtype):
+    """--case NAME:WORK:FLAGS ...: one model, several workloads (train last: PEFT wraps the model)."""
+    import shlex
+    cases = []
+    for spec in args.case:
+        name, work, flags = (spec.split(":", 2) + ["", ""])[:3]
+        if work not in WORKS:
+            sys.exit(f"bench_torch: --case {spec!r}: work must be one of {sorted(WORKS)}")
+        cases.append((name, work, flags))
+    cases.sort(key=lambda c: c[1] == "train")
+    base = [a for a in sys.argv[1:]]
+    loaded = None
+    for name, work, flags in cases:
+        # the case's flags override the command line's (argparse keeps the last value)
+        cargs = p.parse_args(_without_cases(base) + ["--work", work] + shlex.split(flags))
+        cargs.case = name
+        cargs.attn = cargs.attn or ("sdpa" if device.type == "cuda" else "eager")
+        cargs.seq_len = cargs.seq_len or (256 if work == "decode" else 512)
+        try:
+            last = {"score": cargs.score_last, "train": cargs.train_last}.get(work, 0)
+            if last >= cargs.seq_len:
+                raise ValueError(f"--seq-len {cargs.seq_len} must exceed {last} for {work}")
+            if loaded is None:
+                loaded = load_model(cargs, device, dtype)
+            bench(work, cargs, device, dtype, loaded)
+        except Exception as e:  # noqa: BLE001 (an OOM in one case must not lose the others)
+            msg = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            log(f"[torch {work}] case {name} failed: {msg}")
+            emit(cargs, {"impl": "torch", "case": name, "work": work, "error": msg})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _without_cases(argv):
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--case", "--work"):
+            skip = True
+            continue
+        if a.startswith("--case=") or a.startswith("--work="):
+            continue
+        out.append(a)
+    return out
 
 
 def main():
@@ -343,7 +425,11 @@ def main():
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF model directory")
     src.add_argument("--shape", choices=sorted(SHAPES), help="random weights with this real shape")
-    p.add_argument("--work", required=True, choices=[*WORKS, "all"])
+    p.add_argument("--work", choices=[*WORKS, "all"], help="the workload (or --case)")
+    p.add_argument("--case", action="append", metavar="NAME:WORK:FLAGS",
+                   help="run several workloads on one model (see the module help); repeatable")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="train: recompute activations in the backward (fits larger shapes)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="default: float32 on cpu, bfloat16 on cuda")
@@ -355,6 +441,9 @@ def main():
     p.add_argument("--full-logits", action="store_true",
                    help="score/train: compute the LM head on every position (no logits_to_keep)")
     p.add_argument("--json", action="store_true", help="stdout carries only the JSON lines")
+    p.add_argument("--jsonl", metavar="FILE", help="also append each JSON line to FILE as it is produced")
+    p.add_argument("--tag", action="append", metavar="KEY=VALUE",
+                   help="add KEY: VALUE to every JSON line (repeatable)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, help="default: 512 (score, train), 256 (decode prompt)")
     p.add_argument("--score-last", type=int, default=64)
@@ -373,6 +462,10 @@ def main():
     args.attn = args.attn or ("sdpa" if args.device == "cuda" else "eager")
     torch.set_num_threads(args.threads)
 
+    if args.case:
+        return run_cases(p, args, device, dtype)
+    if not args.work:
+        sys.exit("bench_torch: give --work WORK or --case NAME:WORK:FLAGS")
     works = ["score", "decode", "train"] if args.work == "all" else [args.work]
     seq_len = args.seq_len
     for work in works:

@@ -87,6 +87,13 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> String;
 
+    /// Wait until every op enqueued so far has finished (a GPU backend returns from most ops
+    /// before their kernels run; the CPU computes in the call). Timings read the clock after it
+    /// ([`timed`]), and it surfaces asynchronous device errors.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     // ---- memory ----
     fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
     /// Like `upload`, taking ownership (the CPU backend keeps the vector without copying).
@@ -156,6 +163,47 @@ pub trait Backend: Send + Sync {
     fn sample(&self, logits: &Self::Buf, vocab: usize, params: &[SampleParams], uniform: &[f64]) -> Result<Vec<Sampled>>;
 }
 
+/// Run `f` and return its result with its duration in seconds as the device sees it: `sync`
+/// (the backend's `synchronize`) runs before the clock starts, so earlier enqueued work is not
+/// counted, and before it stops, so work `f` only enqueued is — PyTorch's benchmarks time the
+/// same way (`torch.cuda.synchronize()` on both sides).
+pub fn timed<T>(sync: impl Fn() -> Result<()>, f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
+    sync()?;
+    let t = std::time::Instant::now();
+    let out = f()?;
+    sync()?;
+    Ok((out, t.elapsed().as_secs_f64()))
+}
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod train;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+
+    /// A device still busy for 300 ms when `timed` starts, whose op's work finishes 60 ms after `f` returns: `timed` must count it
+    /// (the clock stops after `synchronize`), and must not count work enqueued before it starts.
+    #[test]
+    fn timed_waits_for_enqueued_work() {
+        let busy_until = Cell::new(Instant::now() + Duration::from_millis(300)); // earlier work
+        let sync = || {
+            let now = Instant::now();
+            if busy_until.get() > now {
+                std::thread::sleep(busy_until.get() - now);
+            }
+            Ok(())
+        };
+        let ((), secs) = timed(sync, || {
+            busy_until.set(Instant::now() + Duration::from_millis(60)); // an op that returns at once
+            Ok(())
+        })
+        .unwrap();
+        assert!((0.055..0.3).contains(&secs), "{secs} s: the 60 ms of enqueued work, not the 300 ms before");
+        // an error of the device surfaces instead of a timing
+        assert!(timed(|| anyhow::bail!("an earlier kernel failed"), || Ok(())).is_err());
+    }
+}

@@ -56,10 +56,12 @@ pub trait TrainBackend: Backend {
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
 
     /// Bytes the backward may spend keeping layers' activations (and merged weights) from the
-    /// forward instead of recomputing them. 0 (the default) recomputes every layer; the CUDA
-    /// memory plan assumes that.
-    fn keep_activation_bytes(&self) -> Result<usize> {
-        Ok(0)
+    /// forward instead of recomputing them, besides the `working_set` bytes the pass allocates
+    /// with every layer recomputed. 0 (the default) recomputes every layer. Gradients are
+    /// bit-identical either way; `INFOMEM_KEEP_ACTIVATIONS_MB` overrides every backend's choice.
+    fn keep_activation_bytes(&self, working_set: usize) -> Result<usize> {
+        let _ = working_set;
+        Ok(keep_override()?.unwrap_or(0))
     }
 
     // ---- forward ----
@@ -143,6 +145,19 @@ pub trait TrainBackend: Backend {
     fn adamw(&self, p: &mut Self::Buf, g: &Self::Buf, m: &mut Self::Buf, v: &mut Self::Buf, h: AdamWStep) -> Result<()>;
 }
 
+/// `INFOMEM_KEEP_ACTIVATIONS_MB` in bytes, if set (a malformed value is an error, never a
+/// silent default).
+pub fn keep_override() -> Result<Option<usize>> {
+    match std::env::var("INFOMEM_KEEP_ACTIVATIONS_MB") {
+        Ok(v) => {
+            let mb: usize = v.trim().parse().map_err(|_| anyhow::anyhow!("INFOMEM_KEEP_ACTIVATIONS_MB={v:?} is not a whole number of MiB (0 recomputes every layer)"))?;
+            let bytes = mb.checked_mul(1 << 20).ok_or_else(|| anyhow::anyhow!("INFOMEM_KEEP_ACTIVATIONS_MB={v:?} is too large"))?;
+            Ok(Some(bytes))
+        }
+        Err(_) => Ok(None),
+    }
+}
+
 impl TrainBackend for CpuBackend {
     fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> Result<()> {
         ensure!(src.len() == dst.len(), "copy: {} elements into a buffer of {}", src.len(), dst.len());
@@ -152,11 +167,11 @@ impl TrainBackend for CpuBackend {
 
     /// `INFOMEM_KEEP_ACTIVATIONS_MB` if set, else a third of the available memory, at most 8 GiB:
     /// recomputing a layer costs as much as its forward (a third of the training step), so RAM
-    /// is better spent here than left idle.
-    fn keep_activation_bytes(&self) -> Result<usize> {
-        if let Ok(v) = std::env::var("INFOMEM_KEEP_ACTIVATIONS_MB") {
-            let mb: usize = v.trim().parse().map_err(|_| anyhow::anyhow!("INFOMEM_KEEP_ACTIVATIONS_MB={v:?} is not a whole number of MiB (0 recomputes every layer)"))?;
-            return Ok(mb << 20);
+    /// is better spent here than left idle. (The working set is not subtracted: a third of the
+    /// RAM leaves room for it on the model sizes a CPU trains.)
+    fn keep_activation_bytes(&self, _working_set: usize) -> Result<usize> {
+        if let Some(b) = keep_override()? {
+            return Ok(b);
         }
         // no /proc/meminfo (not Linux): keep nothing, the memory-safe choice
         let avail_kb = std::fs::read_to_string("/proc/meminfo")

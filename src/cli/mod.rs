@@ -2,6 +2,7 @@
 pub mod agent;
 pub mod bench;
 pub mod data;
+pub mod device;
 pub mod reward;
 pub mod run;
 pub mod train;

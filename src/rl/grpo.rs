@@ -29,7 +29,7 @@ use crate::runtime::Model;
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
-use std::time::Instant;
+use crate::backend::timed;
 
 /// One generated conversation turn of a rollout: prompt, generated tokens, the trajectory's
 /// advantage and (optionally) the log-probabilities under the old and the reference policies.
@@ -448,8 +448,9 @@ pub fn run_train_bench<B: TrainBackend>(model: &Model<B>, s: TrainShape, seed: u
     let cut = s.seq_len - s.train_last;
     let tseqs: Vec<TrainSeq> = seqs.iter().map(|ids| TrainSeq { prompt: &ids[..cut], response: &ids[cut..] }).collect();
     let c = GrpoConfig { eps_low: 0.2, eps_high: 0.28, kl_coef: 0.05, token_norm: 0 };
-    let t = Instant::now();
-    let (stats, grads) = policy_grads(model, &tseqs, |scores| {
+    // `timed` synchronizes before reading the clock: on a GPU the layers' backward is still
+    // enqueued when policy_grads returns (its last host sync is the head-gradient download)
+    let ((stats, grads), secs) = timed(|| model.be.synchronize(), || policy_grads(model, &tseqs, |scores| {
         let convs: Vec<Conversation> = (0..s.batch)
             .map(|i| Conversation {
                 prompt: vec![],
@@ -460,8 +461,7 @@ pub fn run_train_bench<B: TrainBackend>(model: &Model<B>, s: TrainShape, seed: u
             })
             .collect();
         grpo_loss(&convs, scores, &[], &c)
-    })?;
-    let secs = t.elapsed().as_secs_f64();
+    }))?;
     ensure!(stats.loss.is_finite() && stats.response_tokens == s.batch * s.train_last, "train bench produced a bad loss {}", stats.loss);
     ensure!(grads.sum_squares(&model.be)?.is_finite(), "train bench produced non-finite gradients");
     Ok((s.batch * s.seq_len, secs))

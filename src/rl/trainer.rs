@@ -514,6 +514,8 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(why) = &m.skipped {
             eprintln!("step {}: skipped update: {why}", s + 1);
         }
+        // the optimizer step may still be running on a GPU: time what the device did
+        self.model.be.synchronize()?;
         m.update_s = t_up.elapsed().as_secs_f64();
         m.train_tokens_per_s = m.trained_tokens as f64 / m.update_s.max(1e-9);
         m.step_s = t_step.elapsed().as_secs_f64();

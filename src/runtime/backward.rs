@@ -322,7 +322,7 @@ struct Kept<B: Backend> {
 }
 
 impl<B: TrainBackend> Kept<B> {
-    /// Bytes kept per batch row (f32 on the CPU, the only backend that keeps).
+    /// Bytes kept per batch row (every `zeros(n)` reserves 4·n bytes on either backend).
     fn bytes_per_row(model: &Model<B>) -> usize {
         let c = &model.cfg;
         4 * (c.q_dim() + 2 * c.kv_dim() + c.q_dim() + c.n_heads + 2 * c.intermediate + c.hidden)
@@ -413,9 +413,26 @@ pub fn policy_grads<B: TrainBackend, S>(
     seqs: &[TrainSeq],
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
-    let budget = model.be.keep_activation_bytes()?;
     let per_layer = |rows: usize| rows * Kept::<B>::bytes_per_row(model) + Merged::<B>::slot_bytes(model);
-    grads_inner(model, seqs, |rows| budget / per_layer(rows).max(1), loss)
+    let n_keep = |rows: usize| -> Result<usize> {
+        let working_set = rows * 4 * update_f32s_per_row(&model.cfg) + Merged::<B>::slot_bytes(model);
+        Ok(model.be.keep_activation_bytes(working_set)? / per_layer(rows).max(1))
+    };
+    grads_inner(model, seqs, n_keep, loss)
+}
+
+/// f32 elements `policy_grads` allocates per row of its batch when every layer is recomputed:
+/// the saved input residual of every layer, the residual stream, one layer's intermediates
+/// (`Acts`), their gradients, and the head pass's rows (at most one per row). The CUDA memory
+/// plan adds its scratch to this (`backend::cuda::memory::update_bytes_per_row`).
+pub fn update_f32s_per_row(cfg: &crate::model::config::ModelConfig) -> usize {
+    let (d, l, i, nh) = (cfg.hidden, cfg.n_layers, cfg.intermediate, cfg.n_heads);
+    let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());
+    l * d                                   // saved input residual of every layer
+        + d                                 // the residual stream x
+        + d + qkv + q + nh + d + d + 2 * i + i // Acts: h1 qkv att lse o h2 gu act
+        + d + i + 2 * i + d + q + qkv       // dres dact dgu dhid datt dqkv
+        + 4 * d // head rows: sel hn dh dsel
 }
 
 /// [`policy_grads`] keeping the activations of the top `n_keep` layers from the forward (the
@@ -426,14 +443,14 @@ pub fn policy_grads_keeping<B: TrainBackend, S>(
     n_keep: usize,
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
-    grads_inner(model, seqs, |_| n_keep, loss)
+    grads_inner(model, seqs, |_| Ok(n_keep), loss)
 }
 
 /// The forward + backward; `n_keep(rows)` says how many top layers keep their activations.
 fn grads_inner<B: TrainBackend, S>(
     model: &Model<B>,
     seqs: &[TrainSeq],
-    n_keep: impl FnOnce(usize) -> usize,
+    n_keep: impl FnOnce(usize) -> Result<usize>,
     loss: impl FnOnce(&TokenScores) -> Result<(S, Vec<Vec<f32>>)>,
 ) -> Result<(S, LoraGrads<B>)> {
     ensure!(model.lora.is_some() && model.lora_enabled, "the model has no enabled LoRA adapter: nothing to train");
@@ -457,7 +474,7 @@ fn grads_inner<B: TrainBackend, S>(
     let mut acts = Acts::new(model, n)?;
     let mut merged = Merged::new(c.n_layers);
     // The top `n_keep` layers keep their activations (the backward reaches them first).
-    let n_keep = n_keep(n).min(c.n_layers);
+    let n_keep = n_keep(n)?.min(c.n_layers);
     let keeps = |l: usize| l + n_keep >= c.n_layers;
     let mut saved: Vec<B::Buf> = Vec::with_capacity(c.n_layers);
     let mut kept: Vec<Option<Kept<B>>> = (0..c.n_layers).map(|_| None).collect();

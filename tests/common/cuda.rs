@@ -5,8 +5,9 @@ use infomem_engine::backend::cuda::{self, CudaBackend};
 use infomem_engine::util::rng::Rng;
 use std::sync::OnceLock;
 
-/// bf16 half-ulp: relative error of one round-to-nearest.
-pub const BF16_HALF_ULP: f32 = 1.0 / 512.0;
+/// Worst relative error of one round-to-nearest to bf16: 8 significant bits (7 stored), so half
+/// an ulp is at most 2⁻⁸ of the value (bf16's unit roundoff).
+pub const BF16_ROUND: f32 = 1.0 / 256.0;
 
 pub fn cuda_be() -> Option<&'static CudaBackend> {
     static BE: OnceLock<Option<CudaBackend>> = OnceLock::new();

@@ -1,12 +1,12 @@
 //! Device memory for training: the caching pool, what is usable, and the footprint model of a
 //! GRPO step behind the "does not fit, this would" error.
 //!
-//! **Reuse between rollout and update.** cudarc allocates with `cuMemAllocAsync` from the
-//! device's default memory pool. `keep_freed_memory` raises that pool's release threshold to
-//! "never": memory freed in stream order (the rollout's KV cache when the trainer drops it, the
-//! update's activations at the end of `policy_grads`) stays reserved by the pool and serves the
-//! next phase's allocations without a round trip to the driver — a caching allocator with the
-//! driver's own bookkeeping. What the pool holds but nothing uses counts as usable
+//! **Reuse between rollout and update.** Device memory comes from `device::Heap`: the
+//! stream-ordered pool with its release threshold at "never", or plain allocations behind the
+//! engine's own block cache where the pool is unavailable (see `device.rs`). Either way memory
+//! freed in stream order (the rollout's KV cache when the trainer drops it, the update's
+//! activations at the end of `policy_grads`) stays cached and serves the next phase's
+//! allocations without a round trip to the driver. What is cached but unused counts as usable
 //! ([`MemInfo::usable`]).
 //!
 //! **The footprint of one training step** beyond the resident weights, phase by phase (the two
@@ -20,32 +20,16 @@
 //!   gradients).
 //! The model reproduces the allocation sizes exactly (every `zeros(n)` reserves 4·n bytes); it
 //! leaves out allocator rounding and cuBLASLt's internal needs, hence a 10% margin.
+use super::device::AllocMode;
 use super::CudaBackend;
 use crate::model::config::ModelConfig;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::sys;
 use std::ffi::c_void;
-use std::sync::Arc;
 
 const GIB: f64 = (1u64 << 30) as f64;
 /// Headroom over the modelled footprint (allocator granularity, cuBLASLt, fragmentation).
 const MARGIN: f64 = 1.10;
-
-/// Raise the default pool's release threshold so freed memory stays cached (module comment).
-pub(super) fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
-    if !ctx.has_async_alloc() {
-        return Ok(()); // no pools on this device: cudarc frees synchronously, nothing to keep
-    }
-    unsafe {
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| anyhow!("cuda: cuDeviceGetDefaultMemPool: {e:?}"))?;
-        let mut keep: u64 = u64::MAX;
-        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut c_void)
-            .result()
-            .map_err(|e| anyhow!("cuda: setting the memory pool's release threshold: {e:?}"))?;
-    }
-    Ok(())
-}
 
 /// Device memory as the allocator sees it (bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,15 +37,17 @@ pub struct MemInfo {
     /// Free on the device (`cuMemGetInfo`).
     pub free: usize,
     pub total: usize,
-    /// Reserved by the default pool, and the part of it that live allocations use.
-    pub pool_reserved: usize,
-    pub pool_used: usize,
+    /// Held by the allocator for reuse but unused: the pool's reserved-minus-used memory, or
+    /// the plain allocator's cached blocks.
+    pub cached: usize,
+    /// Bytes of live allocations of this backend.
+    pub live: usize,
 }
 
 impl MemInfo {
-    /// What new allocations can get: free device memory plus what the pool holds unused.
+    /// What new allocations can get: free device memory plus what the allocator holds unused.
     pub fn usable(&self) -> usize {
-        self.free + self.pool_reserved.saturating_sub(self.pool_used)
+        self.free + self.cached
     }
 }
 
@@ -69,8 +55,8 @@ impl CudaBackend {
     pub fn mem_info(&self) -> Result<MemInfo> {
         self.ctx.bind_to_thread().map_err(|e| anyhow!("cuda: binding the context: {e:?}"))?;
         let (free, total) = self.ctx.mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))?;
-        let mut info = MemInfo { free, total, ..Default::default() };
-        if self.ctx.has_async_alloc() {
+        let mut info = MemInfo { free, total, cached: self.heap.cached_bytes(), live: self.heap.live_bytes() };
+        if *self.heap.mode() == AllocMode::Pool {
             unsafe {
                 let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
                 if sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()).result().is_ok() {
@@ -78,8 +64,9 @@ impl CudaBackend {
                         let mut v: u64 = 0;
                         sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut c_void).result().map(|_| v as usize).unwrap_or(0)
                     };
-                    info.pool_reserved = get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-                    info.pool_used = get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+                    let reserved = get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+                    let used = get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+                    info.cached = reserved.saturating_sub(used);
                 }
             }
         }
@@ -133,16 +120,22 @@ pub fn kv_bytes_per_token(cfg: &ModelConfig) -> usize {
     cfg.n_layers * 2 * cfg.kv_dim() * 2
 }
 
+/// How much of `usable` device memory the LoRA backward may spend keeping layers' activations
+/// instead of recomputing them, given the `working_set` the recompute pass itself allocates:
+/// three quarters of what is left after that working set (+10 %) and a 1 GiB reserve for
+/// cuBLASLt and fragmentation. Kept or recomputed, the gradients are bit-identical, so this only
+/// trades memory for the recompute's forward (a third of a training step).
+pub fn keep_budget(usable: usize, working_set: usize) -> usize {
+    let reserve = (working_set as f64 * MARGIN) as usize + (1 << 30);
+    usable.saturating_sub(reserve) / 4 * 3
+}
+
 /// Bytes the update pass allocates per row of the micro-batch: `policy_grads` (f32 room for every
 /// `zeros`) and the backend's per-row scratch.
 pub fn update_bytes_per_row(cfg: &ModelConfig, r: usize) -> usize {
-    let (d, l, i, nh) = (cfg.hidden, cfg.n_layers, cfg.intermediate, cfg.n_heads);
+    let (i, nh) = (cfg.intermediate, cfg.n_heads);
     let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());
-    let f32s = l * d          // saved input residual of every layer
-        + d                   // the residual stream x
-        + d + qkv + q + nh + d + d + 2 * i + i // Acts: h1 qkv att lse o h2 gu act
-        + d + i + 2 * i + d + q + qkv          // dres dact dgu dhid datt dqkv
-        + 4 * d; // head rows (≤ one per row): sel hn dh dsel
+    let f32s = crate::runtime::backward::update_f32s_per_row(cfg);
     let scratch = 2 * qkv        // bf16 qkv for the attention kernels
         + 2 * q + 4 * nh         // bf16 dO and D = rowsum(dO∘O)
         + 2 * 2 * i              // the largest f32 → bf16 GEMM input conversion (dgu)
@@ -284,6 +277,21 @@ mod tests {
         // saved residuals), ~3 GiB of KV
         assert!(fp.update_bytes > 9 * (1 << 30) && fp.update_bytes < 10 * (1 << 30), "{}", fp.update_bytes);
         assert!(fp.kv_bytes > 3 * (1 << 30) && fp.kv_bytes < 4 * (1 << 30), "{}", fp.kv_bytes); // 264000 tokens × 12 KiB
+    }
+
+    #[test]
+    fn keep_budget_leaves_the_working_set() {
+        const G: usize = 1 << 30;
+        // 130 GiB usable, a 9.5 GiB recompute working set: 3/4 of (130 − 10.45 − 1)
+        let b = keep_budget(130 * G, 19 * G / 2);
+        let want = (130 * G - (19 * G / 2) * 11 / 10 - G) / 4 * 3;
+        assert!((b as i64 - want as i64).abs() < (1 << 20), "{b} vs {want}");
+        // what is kept plus the working set never exceeds what is usable
+        for &(u, w) in &[(2 * G, G), (80 * G, 60 * G), (G / 2, G), (140 * G, 0)] {
+            let k = keep_budget(u, w);
+            assert!(k == 0 || k + w * 11 / 10 + G <= u, "usable {u} working set {w}: keeps {k}");
+        }
+        assert_eq!(keep_budget(G, 4 * G), 0, "nothing is kept when the working set alone does not fit");
     }
 
     #[test]

@@ -44,10 +44,12 @@
 //! the upload when the bytes equal the previous call's: a step passes the same positions, slots
 //! and attention tables to every layer, so only the first layer pays for the copy.
 pub mod attn;
+pub mod device;
 pub mod gemm;
 pub mod memory;
 pub mod reference;
 pub mod train_attn;
+#[cfg(test)] pub(crate) mod emulate;
 
 mod kernels {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -55,7 +57,8 @@ mod kernels {
 
 use super::{AttnGeom, AttnSeq, Backend, SampleParams, Sampled};
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use device::{AllocMode, DevMem, DeviceAlloc, Heap};
 use half::bf16;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -85,11 +88,11 @@ impl Dtype {
 }
 
 pub struct CudaBuf {
-    mem: CudaSlice<u8>,
+    mem: DevMem,
     len: usize,
     dtype: Dtype,
     /// bf16 copy of an f32 parameter (see "Training" above); only `adamw` and `write` keep it.
-    shadow: Option<CudaSlice<u8>>,
+    shadow: Option<DevMem>,
     /// LoRA pairs folded lazily into this bf16 weight by `lora_merge` (see "Training" above).
     terms: Vec<LoraTerm>,
 }
@@ -108,11 +111,11 @@ struct LoraTerm {
 }
 
 impl CudaBuf {
-    fn new(mem: CudaSlice<u8>, len: usize, dtype: Dtype) -> Self {
+    fn new(mem: DevMem, len: usize, dtype: Dtype) -> Self {
         CudaBuf { mem, len, dtype, shadow: None, terms: Vec::new() }
     }
     fn ptr(&self) -> u64 {
-        dptr(&self.mem)
+        self.mem.ptr()
     }
     pub fn dtype(&self) -> Dtype {
         self.dtype
@@ -151,7 +154,7 @@ impl CudaBuf {
 }
 
 pub struct CudaKv {
-    pool: CudaSlice<u8>,
+    pool: DevMem,
     geom: AttnGeom,
     max_pages: usize,
     /// bf16 elements per page (all layers, k and v, all kv heads).
@@ -160,7 +163,7 @@ pub struct CudaKv {
 
 impl CudaKv {
     fn ptr(&self) -> u64 {
-        dptr(&self.pool)
+        self.pool.ptr()
     }
 }
 
@@ -244,6 +247,17 @@ const ATTN_THREADS: u32 = 128;
 const LOGPROB_SCRATCH: usize = 16 << 20;
 const LOGPROB_MAX_ROWS: usize = 4096;
 
+/// The path this process loaded a shared library from (its first mapping whose file name starts
+/// with `prefix`, from /proc/self/maps), or "not loaded".
+fn loaded_library(prefix: &str) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.rsplit('/').next().is_some_and(|f| f.starts_with(prefix)))
+        .map(|p| std::fs::canonicalize(p).map(|c| if c.as_path() == std::path::Path::new(p) { p.to_string() } else { format!("{p} -> {}", c.display()) }).unwrap_or_else(|_| p.to_string()))
+        .unwrap_or_else(|| "not loaded".into())
+}
+
 /// Whether the NVIDIA driver library loads and reports at least one device. Never panics.
 pub fn device_present() -> bool {
     if !unsafe { sys::is_culib_present() } {
@@ -267,9 +281,12 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
     gemm: gemm::Gemm,
-    workspace: CudaSlice<u8>,
-    meta: Mutex<HashMap<&'static str, (Vec<u8>, CudaSlice<u8>)>>,
-    scratch: Mutex<HashMap<&'static str, CudaSlice<u8>>>,
+    /// Device memory (declared before `workspace` and the caches only for readability: every
+    /// `DevMem` holds the heap alive itself).
+    heap: Arc<Heap>,
+    workspace: DevMem,
+    meta: Mutex<HashMap<&'static str, (Vec<u8>, DevMem)>>,
+    scratch: Mutex<HashMap<&'static str, DevMem>>,
     /// Held while an op enqueues its work: the metadata and scratch pointers an op obtains stay
     /// valid only until another op of the same kind replaces them.
     op: Mutex<()>,
@@ -318,10 +335,55 @@ fn to_bf16_bits(data: &[f32]) -> Vec<u16> {
     out
 }
 
-/// The raw device address of a slice (event tracking is off: the guard does nothing).
-fn dptr(s: &CudaSlice<u8>) -> u64 {
-    let (p, _guard) = s.device_ptr(s.stream());
-    p
+/// The driver calls behind `device::Heap`, on the backend's one stream.
+struct CudaDriverAlloc {
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceAlloc for CudaDriverAlloc {
+    fn alloc(&self, pool: bool, bytes: usize) -> std::result::Result<u64, (bool, String)> {
+        use cudarc::driver::result;
+        self.stream.context().bind_to_thread().map_err(|e| (false, format!("binding the CUDA context: {e:?}")))?;
+        let r = unsafe { if pool { result::malloc_async(self.stream.cu_stream(), bytes) } else { result::malloc_sync(bytes) } };
+        r.map_err(|e| (e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY, format!("{} of {bytes} bytes: {e:?}", if pool { "cuMemAllocAsync" } else { "cuMemAlloc" })))
+    }
+    fn free(&self, pool: bool, ptr: u64) {
+        use cudarc::driver::result;
+        // Drop cannot report an error; a failed free here means the context is already broken,
+        // which the next op reports.
+        let _ = self.stream.context().bind_to_thread();
+        let _ = unsafe { if pool { result::free_async(ptr, self.stream.cu_stream()) } else { result::free_sync(ptr) } };
+    }
+    fn sync(&self) {
+        let _ = self.stream.synchronize();
+    }
+    fn trim_pool(&self) {
+        let ctx = self.stream.context();
+        unsafe {
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().is_ok() {
+                let _ = sys::cuMemPoolTrimTo(pool, 0).result();
+            }
+        }
+    }
+}
+
+/// Try the stream-ordered pool: keep freed memory in it (release threshold "never"), then
+/// allocate, free and synchronize a 1 MiB block. Any failure says why the pool is not used.
+fn probe_pool(stream: &Arc<CudaStream>) -> std::result::Result<(), String> {
+    use cudarc::driver::result;
+    let ctx = stream.context();
+    unsafe {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
+        let mut keep: u64 = u64::MAX;
+        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut c_void)
+            .result()
+            .map_err(|e| format!("setting the pool's release threshold: {e:?}"))?;
+        let p = result::malloc_async(stream.cu_stream(), 1 << 20).map_err(|e| format!("cuMemAllocAsync: {e:?}"))?;
+        result::free_async(p, stream.cu_stream()).map_err(|e| format!("cuMemFreeAsync: {e:?}"))?;
+    }
+    stream.synchronize().map_err(|e| format!("synchronize after the pool probe: {e:?}"))
 }
 
 fn grid_for(n: usize, block: u32) -> u32 {
@@ -348,6 +410,12 @@ impl CudaBackend {
     /// Open device `ordinal`. Errors (never panics) when the build has no kernels, there is no
     /// driver or device, the device is older than sm_90, or cuBLASLt cannot be loaded.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_allocator(ordinal, std::env::var("INFOMEM_CUDA_ALLOC").ok().as_deref())
+    }
+
+    /// `new` with the allocator chosen by `alloc` ("pool", "plain", or None / "auto" to decide
+    /// from the device), as `INFOMEM_CUDA_ALLOC` does for `new`.
+    pub fn with_allocator(ordinal: usize, alloc: Option<&str>) -> Result<Self> {
         if let Some(why) = kernels::MISSING {
             bail!("CUDA backend: built without kernels ({why})");
         }
@@ -382,16 +450,19 @@ impl CudaBackend {
                 .with_context(|| format!("kernels/{module}.cu is not in the build"))?;
             // The sm_90 cubin on sm_90; the compute_90 PTX (JIT-compiled by the driver) elsewhere
             // or if the cubin is refused.
-            let m = if (major, minor) == (9, 0) {
-                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())).ok()
+            let cubin_err = if (major, minor) == (9, 0) {
+                match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())) {
+                    Ok(m) => Ok(m),
+                    Err(e) => Err(format!("the sm_90 cubin was refused ({e:?})")),
+                }
             } else {
-                None
+                Err(format!("no cubin for sm_{major}{minor} (the build has sm_90)"))
             };
-            let m = match m {
-                Some(m) => m,
-                None => ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                    .map_err(|e| anyhow!("loading kernels/{module}.cu (cubin and PTX) on sm_{major}{minor}: {e:?}"))?,
+            let m = match cubin_err {
+                Ok(m) => m,
+                Err(why) => ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| {
+                    anyhow!("loading kernels/{module}.cu on sm_{major}{minor}: {why}, and the compute_90 PTX fallback failed too ({e:?})")
+                })?,
             };
             for &name in names {
                 let f = m.load_function(name).map_err(|e| anyhow!("kernel {name} missing from kernels/{module}.cu: {e:?}"))?;
@@ -407,12 +478,16 @@ impl CudaBackend {
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
                 .map_err(|e| anyhow!("cuda: allowing {bytes} bytes of dynamic shared memory for {name}: {e:?}"))?;
         }
-        memory::keep_freed_memory(&ctx)?;
+        // the allocator: the stream-ordered pool where it works, plain allocations otherwise
+        let pools = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).map(|v| v > 0).unwrap_or(false);
+        let mode = device::choose_mode(alloc, pools, || probe_pool(&stream))?;
+        let heap = Heap::new(mode, Box::new(CudaDriverAlloc { stream: stream.clone() }));
         let gemm = gemm::Gemm::new()?;
-        let workspace = stream.alloc_zeros::<u8>(gemm::WORKSPACE_BYTES).map_err(|e| anyhow!("{e:?}"))?;
+        let workspace = heap.alloc(gemm::WORKSPACE_BYTES).map_err(|e| anyhow!("cuda: allocating the cuBLASLt workspace: {e}"))?;
         Ok(CudaBackend {
             ctx,
             stream,
+            heap,
             funcs,
             gemm,
             workspace,
@@ -440,33 +515,48 @@ impl CudaBackend {
         anyhow!("cuda: {what} failed: {e:?}")
     }
 
-    fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
-        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(|e| self.alloc_error(bytes, e))
+    fn alloc(&self, bytes: usize) -> Result<DevMem> {
+        self.heap.alloc(bytes).map_err(|e| self.alloc_error(bytes, e))
+    }
+
+    /// `alloc` with every byte zero (in stream order).
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevMem> {
+        let m = self.alloc(bytes)?;
+        unsafe { cudarc::driver::result::memset_d8_async(m.ptr(), 0, bytes, self.stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
+        Ok(m)
+    }
+
+    /// Which allocator serves this backend's device memory.
+    pub fn alloc_mode(&self) -> &AllocMode {
+        self.heap.mode()
     }
 
     /// An allocation failed: say how much was asked and how much the device has.
-    fn alloc_error(&self, bytes: usize, e: cudarc::driver::DriverError) -> anyhow::Error {
+    fn alloc_error(&self, bytes: usize, e: String) -> anyhow::Error {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         match self.mem_info() {
             Ok(m) => anyhow!(
-                "cuda: allocating {:.3} GiB failed ({e:?}): {:.2} GiB usable on {} ({:.2} GiB free on the device, {:.2} GiB cached in the pool), {:.2} GiB in total",
+                "cuda: allocating {:.3} GiB failed ({e}): {:.2} GiB usable on {} ({:.2} GiB free on the device, {:.2} GiB cached by the {} allocator), {:.2} GiB in total",
                 gib(bytes),
                 gib(m.usable()),
                 self.device,
                 gib(m.free),
-                gib(m.pool_reserved.saturating_sub(m.pool_used)),
+                gib(m.cached),
+                self.heap.mode().short(),
                 gib(m.total)
             ),
-            Err(_) => anyhow!("cuda: allocating {:.3} GiB failed: {e:?}", gib(bytes)),
+            Err(_) => anyhow!("cuda: allocating {:.3} GiB failed: {e}", gib(bytes)),
         }
     }
 
-    fn htod(&self, bytes: &[u8], dst: &mut CudaSlice<u8>) -> Result<()> {
+    /// Copy host bytes to the start of `dst`. From pageable memory the driver stages the bytes
+    /// before returning, so `bytes` may be reused at once; the copy is ordered on the stream.
+    fn htod(&self, bytes: &[u8], dst: &mut DevMem) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
         }
-        let mut view = dst.slice_mut(..bytes.len());
-        self.stream.memcpy_htod(bytes, &mut view).map_err(|e| self.err("host → device copy", e))
+        ensure!(bytes.len() <= dst.len(), "cuda: copying {} bytes into a device buffer of {}", bytes.len(), dst.len());
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr(), bytes, self.stream.cu_stream()) }.map_err(|e| self.err("host → device copy", e))
     }
 
     /// A device copy of small host data, cached per `kind` by content (see the module comment).
@@ -475,7 +565,7 @@ impl CudaBackend {
         let mut m = self.meta.lock().unwrap();
         if let Some((host, dev)) = m.get(kind) {
             if host.as_slice() == bytes {
-                return Ok(dptr(dev));
+                return Ok(dev.ptr());
             }
         }
         let reuse = m.get(kind).is_some_and(|(_, dev)| dev.len() >= bytes.len());
@@ -488,7 +578,7 @@ impl CudaBackend {
         self.htod(bytes, dev)?;
         host.clear();
         host.extend_from_slice(bytes);
-        Ok(dptr(dev))
+        Ok(dev.ptr())
     }
 
     /// A reusable device workspace of at least `bytes`, valid until the next call with the same name.
@@ -498,7 +588,7 @@ impl CudaBackend {
             let b = self.alloc(bytes.next_power_of_two())?;
             s.insert(name, b); // the old one is freed in stream order
         }
-        Ok(dptr(&s[name]))
+        Ok(s[name].ptr())
     }
 
     fn sync(&self) -> Result<()> {
@@ -527,12 +617,12 @@ impl CudaBackend {
 
     /// A bf16 view of `x` for a GEMM input: its own pointer, or a converted copy (kept alive by
     /// the returned slice until the GEMM is enqueued).
-    fn bf16_input(&self, x: &CudaBuf, n: usize) -> Result<(u64, Option<CudaSlice<u8>>)> {
+    fn bf16_input(&self, x: &CudaBuf, n: usize) -> Result<(u64, Option<DevMem>)> {
         match x.dtype {
             Dtype::Bf16 => Ok((x.ptr(), None)),
             Dtype::F32 => {
                 let tmp = self.alloc(n * 2)?;
-                let (src, dst, n64) = (x.ptr(), dptr(&tmp), n as i64);
+                let (src, dst, n64) = (x.ptr(), tmp.ptr(), n as i64);
                 if n > 0 {
                     launch!(self, "f32_to_bf16", grid_for(n, 256), 256, src, dst, n64)?;
                 }
@@ -548,7 +638,7 @@ impl CudaBackend {
         w.need(n, op, what)?;
         match (w.dtype, &w.shadow) {
             (Dtype::Bf16, _) => Ok(w.ptr()),
-            (Dtype::F32, Some(sh)) => Ok(dptr(sh)),
+            (Dtype::F32, Some(sh)) => Ok(sh.ptr()),
             (Dtype::F32, None) => bail!("cuda {op}: {what} must be bf16 (uploaded weights are)"),
         }
     }
@@ -590,7 +680,7 @@ impl CudaBackend {
         }
         match (w.dtype, &w.shadow) {
             (Dtype::Bf16, _) => Ok(w.ptr()),
-            (Dtype::F32, Some(sh)) if w.terms.is_empty() => Ok(dptr(sh)),
+            (Dtype::F32, Some(sh)) if w.terms.is_empty() => Ok(sh.ptr()),
             _ => bail!("cuda {op}: the weight must be bf16 (uploaded weights are)"),
         }
     }
@@ -599,8 +689,36 @@ impl CudaBackend {
         &self.device
     }
 
+    /// What this backend runs on, for `infomem-engine device` and the GPU check's first line:
+    /// device, driver, the libraries loaded (and from where), memory, allocator, kernels.
+    pub fn report(&self) -> Result<serde_json::Value> {
+        let _op = self.enter()?;
+        let mut driver = 0i32;
+        unsafe { sys::cuDriverGetVersion(&mut driver) }.result().map_err(|e| anyhow!("cuDriverGetVersion: {e:?}"))?;
+        let (major, minor) = self.ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
+        let m = self.mem_info()?;
+        let gib = |b: usize| (b as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0;
+        let lt = unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() };
+        Ok(serde_json::json!({
+            "device": self.device,
+            "compute_capability": format!("{major}.{minor}"),
+            "multiprocessors": self.n_sm,
+            "driver_cuda_version": format!("{}.{}", driver / 1000, (driver % 1000) / 10),
+            "cublaslt_version": format!("{}.{}.{}", lt / 10000, (lt / 100) % 100, lt % 100),
+            "libcuda": loaded_library("libcuda.so"),
+            "libcublasLt": loaded_library("libcublasLt.so"),
+            "memory_total_gib": gib(m.total),
+            "memory_free_gib": gib(m.free),
+            "allocator": self.heap.mode().short(),
+            "allocator_detail": self.heap.mode().describe(),
+            "kernels_nvcc": kernels::NVCC_VERSION,
+            "kernel_modules": KERNEL_NAMES.len(),
+            "kernels": KERNEL_NAMES.iter().map(|(_, n)| n.len()).sum::<usize>(),
+        }))
+    }
+
     fn gemm(&self, g: gemm::GemmArgs) -> Result<()> {
-        let ws = dptr(&self.workspace);
+        let ws = self.workspace.ptr();
         unsafe { self.gemm.run(&g, ws, self.stream.cu_stream()) }
     }
 }
@@ -617,7 +735,11 @@ impl Backend for CudaBackend {
     type Kv = CudaKv;
 
     fn name(&self) -> String {
-        format!("cuda ({}, {} SMs, bf16 storage / f32 accumulation)", self.device, self.n_sm)
+        format!("cuda ({}, {} SMs, bf16 storage / f32 accumulation, {} allocator)", self.device, self.n_sm, self.heap.mode().short())
+    }
+    fn synchronize(&self) -> Result<()> {
+        let _op = self.enter()?;
+        self.sync()
     }
 
     fn upload(&self, data: &[f32]) -> Result<CudaBuf> {
@@ -636,7 +758,7 @@ impl Backend for CudaBackend {
     }
     fn zeros(&self, n: usize) -> Result<CudaBuf> {
         let _op = self.enter()?;
-        let mem = self.stream.alloc_zeros::<u8>((n * 4).max(1)).map_err(|e| self.alloc_error(n * 4, e))?;
+        let mem = self.alloc_zeroed(n * 4)?;
         Ok(CudaBuf::new(mem, n, Dtype::F32))
     }
     fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
@@ -695,8 +817,8 @@ impl Backend for CudaBackend {
                 );
             }
         }
-        let pool = self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
-            anyhow!("cuda: the KV cache ({max_pages} pages, {:.2} GiB) does not fit on the device: {e:?}", bytes as f64 / (1u64 << 30) as f64)
+        let pool = self.alloc_zeroed(bytes).map_err(|e| {
+            anyhow!("cuda: the KV cache ({max_pages} pages, {:.2} GiB) does not fit on the device: {e:#}", bytes as f64 / (1u64 << 30) as f64)
         })?;
         Ok(CudaKv { pool, geom, max_pages, page_elems })
     }
