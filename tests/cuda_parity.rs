@@ -192,7 +192,7 @@ fn matmul_bias_and_lora() {
 fn paged_attention_mixed_batch() {
     let be = cuda_or_skip!();
     let cpu = CpuBackend::new();
-    for &(nh, nkv, hd) in &[(14usize, 2usize, 64usize), (16, 2, 128), (4, 1, 16), (6, 3, 32), (9, 3, 64)] {
+    for (nh, nkv, hd) in attention_shapes(&[(14, 2, 64), (16, 2, 128), (4, 1, 16), (6, 3, 32), (9, 3, 64)]) {
         let g = AttnGeom { n_layers: 2, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
         let mut rng = Rng::new(nh as u64 * 100 + hd as u64);
         let max_pages = 400;

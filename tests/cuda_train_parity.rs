@@ -223,7 +223,7 @@ fn batch(lens: &[usize]) -> (Vec<DenseSeq>, usize) {
 fn dense_attention_forward_and_backward() {
     let be = cuda_or_skip!();
     let cpu = CpuBackend::new();
-    for &(nh, nkv, hd) in &[(4usize, 1usize, 16usize), (14, 2, 64), (16, 2, 128), (6, 3, 32), (2, 2, 64)] {
+    for (nh, nkv, hd) in attention_shapes(&[(4, 1, 16), (14, 2, 64), (16, 2, 128), (6, 3, 32), (2, 2, 64)]) {
         let g = AttnGeom { n_layers: 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
         let mut rng = Rng::new(nh as u64 * 100 + hd as u64);
         let (seqs, rows) = batch(&[5, 70, 1, 33, 130, 64, 300]);

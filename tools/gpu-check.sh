@@ -242,13 +242,14 @@ contact() {
       step "rerun:$suite:$t" 60 env INFOMEM_REQUIRE_CUDA=1 RUST_BACKTRACE=1 "$BUNDLE/$suite" "$t" --exact --test-threads=1 --show-output
     done
   done
-  # compute-sanitizer on the attention kernels (paged: inference; dense: training)
+  # compute-sanitizer on the attention kernels (paged: inference; dense: training), head_dim 64
+  # and 128 only (INFOMEM_SANITIZER=1: racecheck slows shared-memory kernels by orders of magnitude)
   if command -v compute-sanitizer >/dev/null 2>&1; then
     local tool
     for tool in memcheck racecheck; do
-      step "$tool:paged_attention_mixed_batch" 45 env INFOMEM_REQUIRE_CUDA=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      step "$tool:paged_attention_mixed_batch" 45 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
         "$BUNDLE/cuda_parity" paged_attention_mixed_batch --exact --test-threads=1
-      step "$tool:dense_attention_forward_and_backward" 45 env INFOMEM_REQUIRE_CUDA=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      step "$tool:dense_attention_forward_and_backward" 45 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
         "$BUNDLE/cuda_train_parity" dense_attention_forward_and_backward --exact --test-threads=1
     done
   fi

@@ -9,6 +9,18 @@ use std::sync::OnceLock;
 /// an ulp is at most 2⁻⁸ of the value (bf16's unit roundoff).
 pub const BF16_ROUND: f32 = 1.0 / 256.0;
 
+/// Under compute-sanitizer (`tools/gpu-check.sh contact` sets INFOMEM_SANITIZER=1), tests that
+/// loop over head sizes keep the ones the models use (64 and 128): racecheck instruments every
+/// shared-memory access and slows the attention kernels by orders of magnitude.
+pub fn under_sanitizer() -> bool {
+    std::env::var("INFOMEM_SANITIZER").as_deref() == Ok("1")
+}
+
+/// `shapes` (n_heads, n_kv_heads, head_dim), or only those with head_dim 64 or 128 under a sanitizer.
+pub fn attention_shapes(shapes: &[(usize, usize, usize)]) -> Vec<(usize, usize, usize)> {
+    shapes.iter().copied().filter(|s| !under_sanitizer() || s.2 == 64 || s.2 == 128).collect()
+}
+
 pub fn cuda_be() -> Option<&'static CudaBackend> {
     static BE: OnceLock<Option<CudaBackend>> = OnceLock::new();
     BE.get_or_init(|| {
