@@ -2,11 +2,12 @@
 //! naive per-conversation path, the prefill saving equals its analytic value, seeds reproduce.
 mod common;
 use common::*;
-use infomem_engine::agent::{rollout, AgentConfig, AgentQuery, ConvKind, Templates, Trajectory};
+use infomem_engine::agent::{rollout, AgentConfig, ConvKind, Templates, Trajectory};
 use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::data::QaRecord;
 use infomem_engine::runtime::{self, Model};
 
-fn queries() -> Vec<AgentQuery> {
+fn queries() -> Vec<QaRecord> {
     let docs = [
         "The harbour was quiet. Ships came and went. The code of the blue door is 4821. Rain fell later.",
         "Alice met Bob at noon. They talked about maps, rivers and old towns for a long while.",
@@ -14,11 +15,13 @@ fn queries() -> Vec<AgentQuery> {
     ];
     docs.iter()
         .enumerate()
-        .map(|(i, d)| AgentQuery {
+        .map(|(i, d)| QaRecord {
             id: format!("q{i}"),
             question: "What is the code of the blue door?".into(),
             context: d.repeat(2 + i),
             answers: vec!["4821".into()],
+            task: "test".into(),
+            meta: Default::default(),
         })
         .collect()
 }
@@ -41,7 +44,7 @@ fn cfg(share: bool, n: usize, temperature: f32) -> AgentConfig {
     }
 }
 
-fn run(m: &Model<CpuBackend>, qs: &[AgentQuery], c: &AgentConfig) -> (Vec<Vec<Trajectory>>, infomem_engine::agent::RolloutStats) {
+fn run(m: &Model<CpuBackend>, qs: &[QaRecord], c: &AgentConfig) -> (Vec<Vec<Trajectory>>, infomem_engine::agent::RolloutStats) {
     let mut kv = runtime::kv_for(m, 200_000).unwrap();
     let r = rollout(m, &mut kv, qs, c, &Templates::default(), |_, _| {}).unwrap();
     assert_eq!(kv.pages_in_use(), 0, "every page is released after the rollout");
@@ -63,10 +66,10 @@ fn shared_prefix_equals_naive() {
         let (naive, s2) = run(&m, &qs, &cfg(false, 3, temperature));
         for (gs, gn) in shared.iter().zip(&naive) {
             for (a, b) in gs.iter().zip(gn) {
-                assert_eq!(a.conversations.len(), b.conversations.len());
-                for (ca, cb) in a.conversations.iter().zip(&b.conversations) {
-                    assert_eq!(ca.prompt_ids, cb.prompt_ids);
-                    assert_eq!(ca.gen_ids, cb.gen_ids, "generated text differs (T = {temperature})");
+                assert_eq!(a.turns.len(), b.turns.len());
+                for (ca, cb) in a.turns.iter().zip(&b.turns) {
+                    assert_eq!(ca.conv.prompt, cb.conv.prompt);
+                    assert_eq!(ca.conv.response, cb.conv.response, "generated text differs (T = {temperature})");
                     for (x, y) in ca.gen_logprobs.iter().zip(&cb.gen_logprobs) {
                         assert!((x - y).abs() < 1e-4, "{x} vs {y}");
                     }
@@ -101,14 +104,14 @@ fn prefill_saving_matches_analytic_value() {
     let mut shared = 0;
     for g in &groups {
         assert_eq!(g.len(), 8);
-        let k = g[0].conversations.len();
+        let k = g[0].turns.len();
         for c in 0..k {
-            let pf = g[0].conversations[c].prefix_len;
-            assert!(g.iter().all(|t| t.conversations[c].prefix_len == pf && t.conversations[c].prompt_ids[..pf] == g[0].conversations[c].prompt_ids[..pf]));
-            shared += pf + g.iter().map(|t| t.conversations[c].prompt_ids.len() - pf).sum::<usize>();
-            naive += g.iter().map(|t| t.conversations[c].prompt_ids.len()).sum::<usize>();
+            let pf = g[0].turns[c].prefix_len;
+            assert!(g.iter().all(|t| t.turns[c].prefix_len == pf && t.turns[c].conv.prompt[..pf] == g[0].turns[c].conv.prompt[..pf]));
+            shared += pf + g.iter().map(|t| t.turns[c].conv.prompt.len() - pf).sum::<usize>();
+            naive += g.iter().map(|t| t.turns[c].conv.prompt.len()).sum::<usize>();
         }
-        assert_eq!(g[0].conversations.last().unwrap().kind, ConvKind::Final);
+        assert_eq!(g[0].turns.last().unwrap().kind, ConvKind::Final);
     }
     assert_eq!(st.prefill_tokens_naive, naive);
     assert_eq!(st.prefill_tokens, shared);
@@ -127,13 +130,13 @@ fn seeds_reproduce_independently_of_the_batch() {
     let (b, _) = run(&m, &qs, &c);
     let (alone, _) = run(&m, &qs[..1], &c);
     for (x, y) in a[0].iter().zip(&b[0]).chain(a[0].iter().zip(&alone[0])) {
-        let gx: Vec<_> = x.conversations.iter().map(|c| c.gen_ids.clone()).collect();
-        let gy: Vec<_> = y.conversations.iter().map(|c| c.gen_ids.clone()).collect();
+        let gx: Vec<_> = x.turns.iter().map(|c| c.conv.response.clone()).collect();
+        let gy: Vec<_> = y.turns.iter().map(|c| c.conv.response.clone()).collect();
         assert_eq!(gx, gy);
     }
     let mut c2 = c.clone();
     c2.seed = 10;
     let (d, _) = run(&m, &qs, &c2);
-    let all = |g: &Vec<Vec<Trajectory>>| g.iter().flatten().flat_map(|t| t.conversations.iter().map(|c| c.gen_ids.clone())).collect::<Vec<_>>();
+    let all = |g: &Vec<Vec<Trajectory>>| g.iter().flatten().flat_map(|t| t.turns.iter().map(|c| c.conv.response.clone())).collect::<Vec<_>>();
     assert_ne!(all(&a), all(&d));
 }

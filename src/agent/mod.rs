@@ -1,7 +1,9 @@
-//! The chunk-wise memory agent: templates, token-level prompt assembly, and batched rollouts with
-//! a shared section prefix (DESIGN.md §1, §3).
+//! The chunk-wise memory agent: templates, token-level prompt assembly, batched rollouts with a
+//! shared section prefix, and the trajectories they produce.
 pub mod rollout;
 pub mod templates;
+pub mod trajectory;
 
-pub use rollout::{rollout, AgentConfig, AgentQuery, ConvKind, Conversation, RolloutStats, Trajectory};
+pub use rollout::{rollout, AgentConfig, RolloutStats};
 pub use templates::{PromptPlan, Templates};
+pub use trajectory::{ConvKind, Conversation, Trajectory, Turn};

@@ -1,5 +1,5 @@
-//! The memory agent's rollouts: for every query, `n` trajectories of `K + 1` conversations
-//! (K memory updates, one final answer), batched across all live conversations of all groups.
+//! The memory agent's rollouts: for every query, `n` trajectories of `K + 1` turns (K memory
+//! updates, one final answer), batched across all live conversations of all groups.
 //!
 //! All queries advance in lockstep over the chunk index `t`. At each `t`, the shared prefix
 //! `[template head, question, section c_t]` of every query is prefilled once and forked
@@ -10,24 +10,19 @@
 //! prompt (kept after answering, truncated before the answer) by the gold tokens.
 //! With `share_prefix = false` every conversation and every score is computed from scratch (the
 //! naive loop), which the tests use as the reference.
+//!
+//! [`rollout`] lists the phases; each is a function below, in the order they run.
 use super::templates::{PromptPlan, Templates};
+use super::trajectory::{ConvKind, Conversation, Trajectory, Turn};
 use crate::backend::{Backend, SampleParams};
+use crate::data::QaRecord;
+use crate::model::tokenizer::TextTokenizer;
 use crate::reward::{self, outcome, Extract, Matcher};
-use crate::runtime::{self, Finish, GenRequest, KvCache, Model, SchedOptions, ScoreRequest, Seq};
+use crate::runtime::{self, Finish, GenOutput, GenRequest, KvCache, Model, SchedOptions, ScoreOutput, ScoreRequest, Seq};
 use crate::util::rng::Rng;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-
-/// One question over one long document.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct AgentQuery {
-    pub id: String,
-    pub question: String,
-    pub context: String,
-    /// Gold answers; the first is canonical (used for the gain).
-    pub answers: Vec<String>,
-}
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentConfig {
@@ -79,7 +74,7 @@ impl AgentConfig {
         if self.chunk_tokens == 0 || self.memory_tokens == 0 || self.answer_tokens == 0 || self.group_size == 0 {
             bail!("chunk, memory and answer budgets and the group size must be positive");
         }
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) || !(self.top_p > 0.0 && self.top_p <= 1.0) {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
             bail!("temperature must be >= 0 and top-p in (0, 1]");
         }
         Ok(())
@@ -90,70 +85,6 @@ impl AgentConfig {
         } else {
             SampleParams { temperature: self.temperature, top_p: self.top_p }
         }
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "snake_case")]
-pub enum ConvKind {
-    Update,
-    Final,
-}
-
-/// One (prompt, generation) pair of a trajectory.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Conversation {
-    pub kind: ConvKind,
-    /// Full prompt ids (the shared prefix included).
-    pub prompt_ids: Vec<u32>,
-    /// Tokens of the prompt shared by the group (before the memory slot).
-    pub prefix_len: usize,
-    pub gen_ids: Vec<u32>,
-    /// Log-probabilities of the generated tokens under the sampling policy (temperature 1).
-    pub gen_logprobs: Vec<f32>,
-    pub finish: Finish,
-    /// Wall time of the batched generation step that produced this conversation (shared by every
-    /// conversation generated in that step: prefill and decode of all live groups at chunk t).
-    pub step_s: f64,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Trajectory {
-    pub query_id: String,
-    pub query_index: usize,
-    pub rollout: usize,
-    pub conversations: Vec<Conversation>,
-    /// `M_1 .. M_K` as text.
-    pub memories: Vec<String>,
-    pub raw_answer: String,
-    pub answer: String,
-    pub em: f64,
-    pub sub_em: f64,
-    pub f1: f64,
-    /// The outcome reward under the configured matcher (0/1).
-    pub outcome: f64,
-    /// `L(M_K)` and `L(∅)` (mean gold log-prob) and their difference, Eq. 6.
-    pub logp_memory: Option<f64>,
-    pub logp_empty: Option<f64>,
-    pub gain: Option<f64>,
-    pub query_gain: Option<f64>,
-    /// `L(M_t) − L(∅)` for t = 1..K (with `memory_curve`).
-    pub memory_curve: Option<Vec<f64>>,
-    /// Gold-word recall of `M_0 = ∅, M_1, .., M_K`.
-    pub recall: Vec<f64>,
-    /// Final reward (set by `reward::assign`).
-    pub reward: Option<f64>,
-    /// Wall time of the scoring passes this trajectory took part in (gain, memory curve).
-    pub score_s: f64,
-}
-
-impl Trajectory {
-    pub fn generated_tokens(&self) -> usize {
-        self.conversations.iter().map(|c| c.gen_ids.len()).sum()
-    }
-    /// The lexical signal: Σ_t [recall(M_t) − recall(M_{t−1})].
-    pub fn lexical_gain(&self) -> f64 {
-        self.recall.windows(2).map(|w| w[1] - w[0]).sum()
     }
 }
 
@@ -182,6 +113,90 @@ impl RolloutStats {
     }
 }
 
+/// Run `cfg.group_size` rollouts for every query. `on_progress(done_conversations, total)`.
+pub fn rollout<B: Backend>(
+    model: &Model<B>,
+    kv: &mut KvCache<B>,
+    queries: &[QaRecord],
+    cfg: &AgentConfig,
+    templates: &Templates,
+    mut on_progress: impl FnMut(usize, usize),
+) -> Result<(Vec<Vec<Trajectory>>, RolloutStats)> {
+    cfg.validate()?;
+    templates.validate()?;
+    let t_start = Instant::now();
+    let cx = Ctx::new(model, cfg, templates)?;
+    let mut st = RolloutStats { queries: queries.len(), trajectories: queries.len() * cfg.group_size, ..Default::default() };
+    let prep = prepare(&cx, queries)?;
+    let total_convs: usize = prep.iter().map(|p| cfg.group_size * (p.chunks.len() + 1)).sum();
+    on_progress(0, total_convs);
+    let mut states = start_states(&cx, queries);
+    let final_prefix = prefill_final_prefixes(&cx, kv, &prep, &mut st)?;
+    let result = read_chunks(&cx, kv, queries, &prep, &final_prefix, &mut states, &mut st, |done| on_progress(done, total_convs));
+    // held until here whether or not every chunk was read
+    release_all(&cx, kv, final_prefix);
+    result?;
+    st.conversations = total_convs;
+    st.total_s = t_start.elapsed().as_secs_f64();
+    Ok((states.into_iter().map(|g| g.into_iter().map(|s| s.traj).collect()).collect(), st))
+}
+
+/// `L(∅)` once per query, then chunk by chunk: generate the updates and answers, record them as
+/// turns (memories, outcomes), score the gains and the memory curve.
+#[allow(clippy::too_many_arguments)]
+fn read_chunks<B: Backend>(
+    cx: &Ctx<B>,
+    kv: &mut KvCache<B>,
+    queries: &[QaRecord],
+    prep: &[Prepared],
+    final_prefix: &[Option<Seq>],
+    states: &mut [Vec<State>],
+    st: &mut RolloutStats,
+    mut on_progress: impl FnMut(usize),
+) -> Result<()> {
+    let empty = score_empty(cx, kv, prep, final_prefix, st)?;
+    let mut done_convs = 0;
+    for step in steps(prep) {
+        let (generated, step_s) = generate_step(cx, kv, prep, final_prefix, &step, states, st)?;
+        done_convs += generated.len();
+        on_progress(done_convs);
+        let answered = record_turns(cx, queries, states, generated, step_s, st)?;
+        score_step(cx, kv, prep, final_prefix, &empty, &step, answered, states, st)?;
+    }
+    Ok(())
+}
+
+/// What every phase reads: the model, the configuration and the tokenized templates.
+struct Ctx<'a, B: Backend> {
+    model: &'a Model<B>,
+    cfg: &'a AgentConfig,
+    templates: &'a Templates,
+    tok: &'a TextTokenizer,
+    upd: PromptPlan,
+    fin: PromptPlan,
+    empty_ids: Vec<u32>,
+    eos: Vec<u32>,
+    opts: SchedOptions,
+}
+
+impl<'a, B: Backend> Ctx<'a, B> {
+    fn new(model: &'a Model<B>, cfg: &'a AgentConfig, templates: &'a Templates) -> Result<Self> {
+        let tok = model.tokenizer()?;
+        Ok(Ctx {
+            model,
+            cfg,
+            templates,
+            tok,
+            upd: PromptPlan::new(tok, &templates.update)?,
+            fin: PromptPlan::new(tok, &templates.final_)?,
+            empty_ids: tok.encode(&templates.empty_memory)?,
+            eos: model.eos_ids(),
+            opts: SchedOptions { max_batch_tokens: cfg.max_batch_tokens },
+        })
+    }
+}
+
+/// A query, tokenized.
 struct Prepared {
     q_ids: Vec<u32>,
     gold_ids: Vec<u32>,
@@ -190,6 +205,7 @@ struct Prepared {
     final_empty: (Vec<u32>, usize),
 }
 
+/// One rollout in progress: its current memory, its sampler stream and what it has produced.
 struct State {
     mem_text: String,
     mem_ids: Vec<u32>,
@@ -197,314 +213,410 @@ struct State {
     traj: Trajectory,
 }
 
-/// Run `cfg.group_size` rollouts for every query. `on_progress(done_conversations, total)`.
-pub fn rollout<B: Backend>(
-    model: &Model<B>,
-    kv: &mut KvCache<B>,
-    queries: &[AgentQuery],
-    cfg: &AgentConfig,
-    templates: &Templates,
-    mut on_progress: impl FnMut(usize, usize),
-) -> Result<(Vec<Vec<Trajectory>>, RolloutStats)> {
-    cfg.validate()?;
-    templates.validate()?;
-    let t_start = Instant::now();
-    let tok = model.tokenizer()?;
-    let upd = PromptPlan::new(tok, &templates.update)?;
-    let fin = PromptPlan::new(tok, &templates.final_)?;
-    let empty_ids = tok.encode(&templates.empty_memory)?;
-    let n = cfg.group_size;
-    let eos = model.eos_ids();
-    let opts = SchedOptions { max_batch_tokens: cfg.max_batch_tokens };
-    let share = cfg.share_prefix;
-    let mut st = RolloutStats { queries: queries.len(), trajectories: queries.len() * n, ..Default::default() };
+/// What a scoring pass measures, as `L − L(∅)` with the matching `L(∅)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScoreKind {
+    /// The gold answer after the final memory `M_K` (Eq. 6).
+    AnswerGain,
+    /// The question after `M_K`.
+    QueryGain,
+    /// The gold answer after the memory `M_t` of this step.
+    MemoryCurve,
+}
 
+/// `L(∅)` of one query, of the gold answer (for the gain and the curve) and of the question.
+#[derive(Default)]
+struct EmptyScores {
+    answer: Option<f64>,
+    question: Option<f64>,
+}
+
+/// The queries live at chunk index `t`: those reading chunk `t` (a memory update) and those
+/// whose document has ended (the final answer).
+struct Step {
+    t: usize,
+    updates: Vec<usize>,
+    finals: Vec<usize>,
+}
+
+/// A conversation sent to generation: whose it is and its prompt.
+struct Pending {
+    q: usize,
+    i: usize,
+    kind: ConvKind,
+    prompt: Vec<u32>,
+    prefix_len: usize,
+}
+
+/// A final answer whose sequence stayed in the cache for its gain.
+struct Answered {
+    q: usize,
+    i: usize,
+    seq: Seq,
+    prompt: Vec<u32>,
+}
+
+/// Who a score request belongs to and what it measures.
+struct ScoreTag {
+    q: usize,
+    i: usize,
+    kind: ScoreKind,
+}
+
+/// Tokenize every query (question, gold answer, document chunks, final prompt over ∅).
+fn prepare<B: Backend>(cx: &Ctx<B>, queries: &[QaRecord]) -> Result<Vec<Prepared>> {
     let mut prep = Vec::with_capacity(queries.len());
     for (qi, q) in queries.iter().enumerate() {
         let gold = q.answers.first().map(|s| s.trim()).unwrap_or("");
         if gold.is_empty() {
             bail!("query {} ({}): no gold answer (answers must be non-empty)", qi, q.id);
         }
-        let doc = tok.encode(&q.context)?;
-        let q_ids = tok.encode(&q.question)?;
+        let doc = cx.tok.encode(&q.context)?;
+        let q_ids = cx.tok.encode(&q.question)?;
         if q_ids.is_empty() {
             bail!("query {} ({}): empty question", qi, q.id);
         }
-        let chunks: Vec<Vec<u32>> = doc.chunks(cfg.chunk_tokens).map(|c| c.to_vec()).collect();
-        let final_empty = fin.build(&q_ids, &[], &empty_ids);
-        prep.push(Prepared { gold_ids: tok.encode(gold)?, q_ids, chunks, final_empty });
+        let chunks: Vec<Vec<u32>> = doc.chunks(cx.cfg.chunk_tokens).map(|c| c.to_vec()).collect();
+        let final_empty = cx.fin.build(&q_ids, &[], &cx.empty_ids);
+        prep.push(Prepared { gold_ids: cx.tok.encode(gold)?, q_ids, chunks, final_empty });
     }
-    let total_convs: usize = prep.iter().map(|p| n * (p.chunks.len() + 1)).sum();
-    let mut done_convs = 0;
-    on_progress(0, total_convs);
+    Ok(prep)
+}
 
-    let mut states: Vec<Vec<State>> = queries
+/// `n` rollouts per query, each with the empty memory and its own sampler stream.
+fn start_states<B: Backend>(cx: &Ctx<B>, queries: &[QaRecord]) -> Vec<Vec<State>> {
+    queries
         .iter()
         .enumerate()
         .map(|(qi, q)| {
-            (0..n)
+            (0..cx.cfg.group_size)
                 .map(|i| State {
-                    mem_text: templates.empty_memory.clone(),
-                    mem_ids: empty_ids.clone(),
-                    rng: Rng::derive(cfg.seed, ((qi as u64) << 24) | i as u64),
-                    traj: Trajectory {
-                        query_id: q.id.clone(),
-                        query_index: qi,
-                        rollout: i,
-                        conversations: vec![],
-                        memories: vec![],
-                        raw_answer: String::new(),
-                        answer: String::new(),
-                        em: 0.0,
-                        sub_em: 0.0,
-                        f1: 0.0,
-                        outcome: 0.0,
-                        logp_memory: None,
-                        logp_empty: None,
-                        gain: None,
-                        query_gain: None,
-                        memory_curve: if cfg.memory_curve { Some(vec![]) } else { None },
-                        recall: vec![outcome::word_recall(&templates.empty_memory, &q.answers)],
-                        reward: None,
-                        score_s: 0.0,
-                    },
+                    mem_text: cx.templates.empty_memory.clone(),
+                    mem_ids: cx.empty_ids.clone(),
+                    rng: Rng::derive(cx.cfg.seed, ((qi as u64) << 24) | i as u64),
+                    traj: Trajectory::start(&q.id, qi, i, &cx.templates.empty_memory, &q.answers, cx.cfg.memory_curve),
                 })
                 .collect()
         })
-        .collect();
+        .collect()
+}
 
-    // Final-prompt prefixes [head, question], kept for the whole run (shared mode).
-    let mut final_prefix: Vec<Option<Seq>> = (0..queries.len()).map(|_| None).collect();
-    let mut result = Ok(());
-    let mut run = || -> Result<()> {
-        let t0 = Instant::now();
-        if share {
-            let items = prep.iter().map(|p| (Seq::default(), p.final_empty.0[..p.final_empty.1].to_vec())).collect();
-            st.prefill_tokens += prep.iter().map(|p| p.final_empty.1).sum::<usize>();
-            for (slot, s) in final_prefix.iter_mut().zip(runtime::prefill(model, kv, items, opts)?) {
-                *slot = Some(s);
+/// The final prompts' prefixes `[head, question]`, prefilled once per query and held for the
+/// whole run (shared mode; all `None` otherwise). Counted as scoring time: `L(∅)` reads them first.
+fn prefill_final_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, prep: &[Prepared], st: &mut RolloutStats) -> Result<Vec<Option<Seq>>> {
+    let t0 = Instant::now();
+    let mut final_prefix: Vec<Option<Seq>> = (0..prep.len()).map(|_| None).collect();
+    if cx.cfg.share_prefix {
+        let items = prep.iter().map(|p| (Seq::default(), p.final_empty.0[..p.final_empty.1].to_vec())).collect();
+        st.prefill_tokens += prep.iter().map(|p| p.final_empty.1).sum::<usize>();
+        for (slot, s) in final_prefix.iter_mut().zip(runtime::prefill(cx.model, kv, items, cx.opts)?) {
+            *slot = Some(s);
+        }
+    }
+    st.score_s += t0.elapsed().as_secs_f64();
+    Ok(final_prefix)
+}
+
+/// `L(∅)` of the gold answer (when the gain or the curve is scored) and of the question (for the
+/// query gain): once per query in shared mode, where a naive loop scores it per rollout.
+fn score_empty<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, prep: &[Prepared], final_prefix: &[Option<Seq>], st: &mut RolloutStats) -> Result<Vec<EmptyScores>> {
+    let t0 = Instant::now();
+    let cfg = cx.cfg;
+    let mut reqs = vec![];
+    let mut owner = vec![];
+    for (qi, p) in prep.iter().enumerate() {
+        let mut targets = vec![];
+        if cfg.answer_gain || cfg.memory_curve {
+            targets.push((ScoreKind::AnswerGain, &p.gold_ids));
+        }
+        if cfg.query_gain {
+            targets.push((ScoreKind::QueryGain, &p.q_ids));
+        }
+        for (kind, tg) in targets {
+            let (ids, pf) = &p.final_empty;
+            // naive: a per-rollout loop scores ∅ for each of the n rollouts
+            st.score_tokens_naive += cfg.group_size * (ids.len() + tg.len() - 1);
+            let (seq, context) = match &final_prefix[qi] {
+                Some(s) => (kv.fork(s), ids[*pf..].to_vec()),
+                None => (Seq::default(), ids.clone()),
+            };
+            st.score_tokens += context.len() + tg.len() - 1;
+            reqs.push(ScoreRequest { seq, context, targets: tg.clone(), keep_seq: false });
+            owner.push((qi, kind));
+        }
+    }
+    let mut empty: Vec<EmptyScores> = (0..prep.len()).map(|_| EmptyScores::default()).collect();
+    if !reqs.is_empty() {
+        for ((qi, kind), o) in owner.into_iter().zip(runtime::score(cx.model, kv, reqs, cx.opts)?) {
+            let l = reward::mean_logprob(&o.logprobs);
+            match kind {
+                ScoreKind::QueryGain => empty[qi].question = Some(l),
+                _ => empty[qi].answer = Some(l),
             }
         }
-        // L(∅) (and its query-conditioned twin): once per query in shared mode.
-        let targets_of = |p: &Prepared| {
-            let mut t = vec![];
-            if cfg.answer_gain || cfg.memory_curve {
-                t.push(p.gold_ids.clone());
-            }
-            if cfg.query_gain {
-                t.push(p.q_ids.clone());
-            }
-            t
-        };
-        let mut empty_lp: Vec<Vec<f64>> = vec![vec![]; queries.len()];
-        {
-            let mut reqs = vec![];
-            let mut owner = vec![];
-            for (qi, p) in prep.iter().enumerate() {
-                for (k, tg) in targets_of(p).into_iter().enumerate() {
-                    let (ids, pf) = &p.final_empty;
-                    // naive: a per-rollout loop scores ∅ for each of the n rollouts
-                    st.score_tokens_naive += n * (ids.len() + tg.len() - 1);
-                    let (seq, context) = match &final_prefix[qi] {
-                        Some(s) => (kv.fork(s), ids[*pf..].to_vec()),
-                        None => (Seq::default(), ids.clone()),
-                    };
-                    st.score_tokens += context.len() + tg.len() - 1;
-                    reqs.push(ScoreRequest { seq, context, targets: tg, keep_seq: false });
-                    owner.push((qi, k));
-                }
-            }
-            if !reqs.is_empty() {
-                for ((qi, _), o) in owner.into_iter().zip(runtime::score(model, kv, reqs, opts)?) {
-                    empty_lp[qi].push(reward::mean_logprob(&o.logprobs));
-                }
-            }
-        }
-        st.score_s += t0.elapsed().as_secs_f64();
+    }
+    st.score_s += t0.elapsed().as_secs_f64();
+    Ok(empty)
+}
 
-        let max_k = prep.iter().map(|p| p.chunks.len()).max().unwrap_or(0);
-        for t in 0..=max_k {
-            let upd_q: Vec<usize> = (0..prep.len()).filter(|&q| t < prep[q].chunks.len()).collect();
-            let fin_q: Vec<usize> = (0..prep.len()).filter(|&q| t == prep[q].chunks.len()).collect();
-            if upd_q.is_empty() && fin_q.is_empty() {
-                break;
-            }
-            let t_gen = Instant::now();
-            // shared section prefixes of this step
-            let mut sec_prefix: Vec<Option<Seq>> = (0..prep.len()).map(|_| None).collect();
-            if share && !upd_q.is_empty() {
-                let items: Vec<(Seq, Vec<u32>)> = upd_q
-                    .iter()
-                    .map(|&q| {
-                        let p = &prep[q];
-                        let (ids, pf) = upd.build(&p.q_ids, &p.chunks[t], &empty_ids);
-                        st.prefill_tokens += pf;
-                        (Seq::default(), ids[..pf].to_vec())
-                    })
-                    .collect();
-                for (&q, s) in upd_q.iter().zip(runtime::prefill(model, kv, items, opts)?) {
-                    sec_prefix[q] = Some(s);
-                }
-            }
-            let mut reqs = Vec::new();
-            let mut who = Vec::new(); // (query, rollout, kind, prompt ids, prefix len)
-            for (&q, is_final) in upd_q.iter().map(|q| (q, false)).chain(fin_q.iter().map(|q| (q, true))) {
+/// The steps `t = 0..=K_max`, each with the queries that update or answer at it.
+fn steps(prep: &[Prepared]) -> Vec<Step> {
+    let max_k = prep.iter().map(|p| p.chunks.len()).max().unwrap_or(0);
+    let mut out = Vec::new();
+    for t in 0..=max_k {
+        let updates: Vec<usize> = (0..prep.len()).filter(|&q| t < prep[q].chunks.len()).collect();
+        let finals: Vec<usize> = (0..prep.len()).filter(|&q| t == prep[q].chunks.len()).collect();
+        if updates.is_empty() && finals.is_empty() {
+            break;
+        }
+        out.push(Step { t, updates, finals });
+    }
+    out
+}
+
+/// One batched generation: every rollout of the step's queries, memory updates (from the shared
+/// section prefix) and final answers (from the final prefix). Returns each conversation with its
+/// output, in request order, and the step's wall time.
+fn generate_step<B: Backend>(
+    cx: &Ctx<B>,
+    kv: &mut KvCache<B>,
+    prep: &[Prepared],
+    final_prefix: &[Option<Seq>],
+    step: &Step,
+    states: &mut [Vec<State>],
+    st: &mut RolloutStats,
+) -> Result<(Vec<(Pending, GenOutput)>, f64)> {
+    let t_gen = Instant::now();
+    let sec_prefix = prefill_section_prefixes(cx, kv, prep, step, st)?;
+    let mut reqs = Vec::new();
+    let mut pending = Vec::new();
+    let live = step.updates.iter().map(|&q| (q, ConvKind::Update)).chain(step.finals.iter().map(|&q| (q, ConvKind::Final)));
+    for (q, kind) in live {
+        let p = &prep[q];
+        let is_final = kind == ConvKind::Final;
+        for (i, s) in states[q].iter_mut().enumerate() {
+            let (ids, pf) = if is_final { cx.fin.build(&p.q_ids, &[], &s.mem_ids) } else { cx.upd.build(&p.q_ids, &p.chunks[step.t], &s.mem_ids) };
+            let base = if is_final { &final_prefix[q] } else { &sec_prefix[q] };
+            let (seq, feed) = match base {
+                Some(b) => (kv.fork(b), ids[pf..].to_vec()),
+                None => (Seq::default(), ids.clone()),
+            };
+            st.prefill_tokens += feed.len();
+            st.prefill_tokens_naive += ids.len();
+            reqs.push(GenRequest {
+                seq,
+                feed,
+                max_new: if is_final { cx.cfg.answer_tokens } else { cx.cfg.memory_tokens },
+                params: cx.cfg.params(),
+                rng: std::mem::replace(&mut s.rng, Rng::new(0)),
+                stop_ids: cx.eos.clone(),
+                stop_strings: vec![],
+                keep_seq: is_final && (cx.cfg.answer_gain || cx.cfg.query_gain),
+            });
+            pending.push(Pending { q, i, kind, prompt: ids, prefix_len: pf });
+        }
+    }
+    release_all(cx, kv, sec_prefix);
+    let outs = runtime::generate(cx.model, kv, reqs, cx.opts, |_| {})?;
+    let dt = t_gen.elapsed().as_secs_f64();
+    if step.updates.is_empty() {
+        st.final_s += dt;
+    } else {
+        st.update_s += dt;
+    }
+    Ok((pending.into_iter().zip(outs).collect(), dt))
+}
+
+/// The section prefixes `[head, question, c_t]` of the step's updating queries, prefilled once
+/// per query (shared mode; all `None` otherwise).
+fn prefill_section_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, prep: &[Prepared], step: &Step, st: &mut RolloutStats) -> Result<Vec<Option<Seq>>> {
+    let mut sec_prefix: Vec<Option<Seq>> = (0..prep.len()).map(|_| None).collect();
+    if cx.cfg.share_prefix && !step.updates.is_empty() {
+        let items: Vec<(Seq, Vec<u32>)> = step
+            .updates
+            .iter()
+            .map(|&q| {
                 let p = &prep[q];
-                for (i, s) in states[q].iter_mut().enumerate() {
-                    let (ids, pf) = if is_final { fin.build(&p.q_ids, &[], &s.mem_ids) } else { upd.build(&p.q_ids, &p.chunks[t], &s.mem_ids) };
-                    let base = if is_final { &final_prefix[q] } else { &sec_prefix[q] };
-                    let (seq, feed) = match base {
-                        Some(b) => (kv.fork(b), ids[pf..].to_vec()),
-                        None => (Seq::default(), ids.clone()),
-                    };
-                    st.prefill_tokens += feed.len();
-                    st.prefill_tokens_naive += ids.len();
-                    reqs.push(GenRequest {
-                        seq,
-                        feed,
-                        max_new: if is_final { cfg.answer_tokens } else { cfg.memory_tokens },
-                        params: cfg.params(),
-                        rng: std::mem::replace(&mut s.rng, Rng::new(0)),
-                        stop_ids: eos.clone(),
-                        stop_strings: vec![],
-                        keep_seq: is_final && (cfg.answer_gain || cfg.query_gain),
-                    });
-                    who.push((q, i, is_final, ids, pf));
+                let (ids, pf) = cx.upd.build(&p.q_ids, &p.chunks[step.t], &cx.empty_ids);
+                st.prefill_tokens += pf;
+                (Seq::default(), ids[..pf].to_vec())
+            })
+            .collect();
+        for (&q, s) in step.updates.iter().zip(runtime::prefill(cx.model, kv, items, cx.opts)?) {
+            sec_prefix[q] = Some(s);
+        }
+    }
+    Ok(sec_prefix)
+}
+
+/// Append each generation to its trajectory as a turn: an update's reply becomes the memory, a
+/// final reply gives the answer and its outcome. Returns the answers kept for their gains.
+fn record_turns<B: Backend>(cx: &Ctx<B>, queries: &[QaRecord], states: &mut [Vec<State>], generated: Vec<(Pending, GenOutput)>, step_s: f64, st: &mut RolloutStats) -> Result<Vec<Answered>> {
+    let mut answered = Vec::new();
+    for (p, o) in generated {
+        let s = &mut states[p.q][p.i];
+        // each rollout's sampler stream continues across its conversations
+        s.rng = o.rng;
+        st.generated_tokens += o.new_ids.len();
+        let body: &[u32] = if o.finish == Finish::Eos { &o.new_ids[..o.new_ids.len() - 1] } else { &o.new_ids };
+        let text = cx.tok.decode(body, true)?;
+        s.traj.turns.push(Turn {
+            kind: p.kind,
+            conv: Conversation { prompt: p.prompt.clone(), response: o.new_ids, ..Default::default() },
+            prefix_len: p.prefix_len,
+            gen_logprobs: o.logprobs,
+            finish: o.finish,
+            step_s,
+        });
+        let golds = &queries[p.q].answers;
+        match p.kind {
+            ConvKind::Final => {
+                judge_answer(cx.cfg, &mut s.traj, text, golds);
+                if let Some(seq) = o.seq {
+                    answered.push(Answered { q: p.q, i: p.i, seq, prompt: p.prompt });
                 }
             }
-            for s in sec_prefix.into_iter().flatten() {
-                kv.release(&model.be, s);
-            }
-            let n_req = reqs.len();
-            let outs = runtime::generate(model, kv, reqs, opts, |_| {})?;
-            let dt = t_gen.elapsed().as_secs_f64();
-            if upd_q.is_empty() {
-                st.final_s += dt;
+            ConvKind::Update => take_memory(cx, s, &text, golds)?,
+        }
+    }
+    Ok(answered)
+}
+
+/// The outcome (Eq. 5): the answer cut out of the final reply, matched against the golds.
+fn judge_answer(cfg: &AgentConfig, traj: &mut Trajectory, reply: String, golds: &[String]) {
+    traj.answer = outcome::extract(cfg.extract, &reply);
+    traj.raw_answer = reply;
+    traj.em = outcome::em(&traj.answer, golds);
+    traj.sub_em = outcome::sub_em(&traj.answer, golds);
+    traj.f1 = outcome::f1(&traj.answer, golds);
+    traj.outcome = outcome::score(cfg.matcher, &traj.answer, golds).round();
+}
+
+/// An update's reply becomes the next memory (the empty-memory text when it is blank).
+fn take_memory<B: Backend>(cx: &Ctx<B>, s: &mut State, reply: &str, golds: &[String]) -> Result<()> {
+    let mem = reply.trim();
+    s.mem_text = if mem.is_empty() { cx.templates.empty_memory.clone() } else { mem.to_string() };
+    s.mem_ids = cx.tok.encode(&s.mem_text)?;
+    s.traj.memories.push(s.mem_text.clone());
+    s.traj.recall.push(outcome::word_recall(&s.mem_text, golds));
+    Ok(())
+}
+
+/// One scoring pass for the step: the gains of the answers, then (with `memory_curve`) the curve
+/// point `L(M_t)` of every rollout that updated its memory.
+#[allow(clippy::too_many_arguments)]
+fn score_step<B: Backend>(
+    cx: &Ctx<B>,
+    kv: &mut KvCache<B>,
+    prep: &[Prepared],
+    final_prefix: &[Option<Seq>],
+    empty: &[EmptyScores],
+    step: &Step,
+    answered: Vec<Answered>,
+    states: &mut [Vec<State>],
+    st: &mut RolloutStats,
+) -> Result<()> {
+    let t_sc = Instant::now();
+    let mut batch = gain_requests(cx, kv, prep, answered, st);
+    if cx.cfg.memory_curve {
+        batch.extend(curve_requests(cx, kv, prep, final_prefix, &step.updates, states, st));
+    }
+    if !batch.is_empty() {
+        let (tags, reqs): (Vec<ScoreTag>, Vec<ScoreRequest>) = batch.into_iter().unzip();
+        let scored = runtime::score(cx.model, kv, reqs, cx.opts)?;
+        let dt = t_sc.elapsed().as_secs_f64();
+        record_scores(states, empty, tags, scored, dt);
+    }
+    st.score_s += t_sc.elapsed().as_secs_f64();
+    Ok(())
+}
+
+/// `L(M_K)` of the gold answer and/or the question for every kept answer; releases its sequence.
+fn gain_requests<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, prep: &[Prepared], answered: Vec<Answered>, st: &mut RolloutStats) -> Vec<(ScoreTag, ScoreRequest)> {
+    let mut out = Vec::new();
+    for Answered { q, i, seq, prompt: ids } in answered {
+        let p = &prep[q];
+        let mut targets = vec![];
+        if cx.cfg.answer_gain {
+            targets.push((ScoreKind::AnswerGain, p.gold_ids.clone()));
+        }
+        if cx.cfg.query_gain {
+            targets.push((ScoreKind::QueryGain, p.q_ids.clone()));
+        }
+        for (kind, tg) in targets {
+            st.score_tokens_naive += ids.len() + tg.len() - 1;
+            let (s, context) = if cx.cfg.share_prefix {
+                // extend the answered prompt's cache: drop the answer and the last prompt
+                // token, whose row then predicts the first target token
+                let mut f = kv.fork(&seq);
+                kv.truncate(&cx.model.be, &mut f, ids.len() - 1);
+                (f, vec![ids[ids.len() - 1]])
             } else {
-                st.update_s += dt;
-            }
-            done_convs += n_req;
-            on_progress(done_convs, total_convs);
-
-            let mut kept = Vec::new(); // (q, i, seq, prompt ids) of finals for gain scoring
-            for ((q, i, is_final, ids, pf), o) in who.into_iter().zip(outs) {
-                let s = &mut states[q][i];
-                // each rollout's sampler stream continues across its conversations
-                s.rng = o.rng;
-                st.generated_tokens += o.new_ids.len();
-                let body: &[u32] = if o.finish == Finish::Eos { &o.new_ids[..o.new_ids.len() - 1] } else { &o.new_ids };
-                let text = tok.decode(body, true)?;
-                s.traj.conversations.push(Conversation {
-                    kind: if is_final { ConvKind::Final } else { ConvKind::Update },
-                    prompt_ids: ids.clone(),
-                    prefix_len: pf,
-                    gen_ids: o.new_ids.clone(),
-                    gen_logprobs: o.logprobs.clone(),
-                    finish: o.finish,
-                    step_s: dt,
-                });
-                let golds = &queries[q].answers;
-                if is_final {
-                    s.traj.raw_answer = text.clone();
-                    s.traj.answer = outcome::extract(cfg.extract, &text);
-                    s.traj.em = outcome::em(&s.traj.answer, golds);
-                    s.traj.sub_em = outcome::sub_em(&s.traj.answer, golds);
-                    s.traj.f1 = outcome::f1(&s.traj.answer, golds);
-                    s.traj.outcome = outcome::score(cfg.matcher, &s.traj.answer, golds).round();
-                    if let Some(seq) = o.seq {
-                        kept.push((q, i, seq, ids));
-                    }
-                } else {
-                    let mem = text.trim();
-                    s.mem_text = if mem.is_empty() { templates.empty_memory.clone() } else { mem.to_string() };
-                    s.mem_ids = tok.encode(&s.mem_text)?;
-                    s.traj.memories.push(s.mem_text.clone());
-                    s.traj.recall.push(outcome::word_recall(&s.mem_text, golds));
-                }
-            }
-
-            // ---- scoring: final gains, and the memory curve of this step's updates ----
-            let t_sc = Instant::now();
-            let mut reqs = Vec::new();
-            let mut tags = Vec::new(); // (q, i, what): 0 = answer gain, 1 = query gain, 2 = curve
-            for (q, i, seq, ids) in kept {
-                let p = &prep[q];
-                let mut targets = vec![];
-                if cfg.answer_gain {
-                    targets.push((0u8, p.gold_ids.clone()));
-                }
-                if cfg.query_gain {
-                    targets.push((1u8, p.q_ids.clone()));
-                }
-                for (what, tg) in targets {
-                    st.score_tokens_naive += ids.len() + tg.len() - 1;
-                    let (s, context) = if share {
-                        // extend the answered prompt's cache: drop the answer and the last prompt
-                        // token, whose row then predicts the first target token
-                        let mut f = kv.fork(&seq);
-                        kv.truncate(&model.be, &mut f, ids.len() - 1);
-                        (f, vec![ids[ids.len() - 1]])
-                    } else {
-                        (Seq::default(), ids.clone())
-                    };
-                    st.score_tokens += context.len() + tg.len() - 1;
-                    reqs.push(ScoreRequest { seq: s, context, targets: tg, keep_seq: false });
-                    tags.push((q, i, what));
-                }
-                kv.release(&model.be, seq);
-            }
-            if cfg.memory_curve {
-                for &q in &upd_q {
-                    let p = &prep[q];
-                    for (i, s) in states[q].iter().enumerate() {
-                        let (ids, pf) = fin.build(&p.q_ids, &[], &s.mem_ids);
-                        st.score_tokens_naive += ids.len() + p.gold_ids.len() - 1;
-                        let (seq, context) = match &final_prefix[q] {
-                            Some(b) => (kv.fork(b), ids[pf..].to_vec()),
-                            None => (Seq::default(), ids),
-                        };
-                        st.score_tokens += context.len() + p.gold_ids.len() - 1;
-                        reqs.push(ScoreRequest { seq, context, targets: p.gold_ids.clone(), keep_seq: false });
-                        tags.push((q, i, 2));
-                    }
-                }
-            }
-            if !reqs.is_empty() {
-                let scored = runtime::score(model, kv, reqs, opts)?;
-                let dt = t_sc.elapsed().as_secs_f64();
-                let mut seen = std::collections::HashSet::new();
-                for &(q, i, _) in &tags {
-                    if seen.insert((q, i)) {
-                        states[q][i].traj.score_s += dt;
-                    }
-                }
-                for ((q, i, what), o) in tags.into_iter().zip(scored) {
-                    let l = reward::mean_logprob(&o.logprobs);
-                    let tr = &mut states[q][i].traj;
-                    match what {
-                        0 => {
-                            tr.logp_memory = Some(l);
-                            tr.logp_empty = Some(empty_lp[q][0]);
-                            tr.gain = Some(l - empty_lp[q][0]);
-                        }
-                        1 => tr.query_gain = Some(l - *empty_lp[q].last().unwrap()),
-                        _ => tr.memory_curve.get_or_insert_with(Vec::new).push(l - empty_lp[q][0]),
-                    }
-                }
-            }
-            st.score_s += t_sc.elapsed().as_secs_f64();
+                (Seq::default(), ids.clone())
+            };
+            st.score_tokens += context.len() + tg.len() - 1;
+            out.push((ScoreTag { q, i, kind }, ScoreRequest { seq: s, context, targets: tg, keep_seq: false }));
         }
-        Ok(())
-    };
-    if let Err(e) = run() {
-        result = Err(e);
+        kv.release(&cx.model.be, seq);
     }
-    for s in final_prefix.into_iter().flatten() {
-        kv.release(&model.be, s);
+    out
+}
+
+/// `L(M_t)` of the gold answer with each updated memory in the final prompt.
+fn curve_requests<B: Backend>(
+    cx: &Ctx<B>,
+    kv: &mut KvCache<B>,
+    prep: &[Prepared],
+    final_prefix: &[Option<Seq>],
+    updated: &[usize],
+    states: &[Vec<State>],
+    st: &mut RolloutStats,
+) -> Vec<(ScoreTag, ScoreRequest)> {
+    let mut out = Vec::new();
+    for &q in updated {
+        let p = &prep[q];
+        for (i, s) in states[q].iter().enumerate() {
+            let (ids, pf) = cx.fin.build(&p.q_ids, &[], &s.mem_ids);
+            st.score_tokens_naive += ids.len() + p.gold_ids.len() - 1;
+            let (seq, context) = match &final_prefix[q] {
+                Some(b) => (kv.fork(b), ids[pf..].to_vec()),
+                None => (Seq::default(), ids),
+            };
+            st.score_tokens += context.len() + p.gold_ids.len() - 1;
+            out.push((ScoreTag { q, i, kind: ScoreKind::MemoryCurve }, ScoreRequest { seq, context, targets: p.gold_ids.clone(), keep_seq: false }));
+        }
     }
-    result?;
-    st.conversations = total_convs;
-    st.total_s = t_start.elapsed().as_secs_f64();
-    let trajs = states.into_iter().map(|g| g.into_iter().map(|s| s.traj).collect()).collect();
-    Ok((trajs, st))
+    out
+}
+
+/// Store every score as `L − L(∅)` on its trajectory; the pass's wall time is charged once to
+/// each trajectory that took part.
+fn record_scores(states: &mut [Vec<State>], empty: &[EmptyScores], tags: Vec<ScoreTag>, scored: Vec<ScoreOutput>, dt: f64) {
+    let mut seen = std::collections::HashSet::new();
+    for tag in &tags {
+        if seen.insert((tag.q, tag.i)) {
+            states[tag.q][tag.i].traj.score_s += dt;
+        }
+    }
+    for (ScoreTag { q, i, kind }, o) in tags.into_iter().zip(scored) {
+        let l = reward::mean_logprob(&o.logprobs);
+        let tr = &mut states[q][i].traj;
+        let empty_answer = || empty[q].answer.expect("L(∅) of the gold answer is scored whenever a gain or the curve is");
+        match kind {
+            ScoreKind::AnswerGain => {
+                tr.logp_memory = Some(l);
+                tr.logp_empty = Some(empty_answer());
+                tr.gain = Some(l - empty_answer());
+            }
+            ScoreKind::QueryGain => tr.query_gain = Some(l - empty[q].question.expect("L(∅) of the question is scored with the query gain")),
+            ScoreKind::MemoryCurve => tr.memory_curve.get_or_insert_with(Vec::new).push(l - empty_answer()),
+        }
+    }
+}
+
+/// Hand sequences held for a phase back to the cache.
+fn release_all<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, seqs: Vec<Option<Seq>>) {
+    for s in seqs.into_iter().flatten() {
+        kv.release(&cx.model.be, s);
+    }
 }

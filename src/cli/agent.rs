@@ -2,7 +2,7 @@
 use super::{print_json, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use infomem_engine::agent::{self, AgentConfig, AgentQuery, RolloutStats, Templates, Trajectory};
+use infomem_engine::agent::{self, AgentConfig, RolloutStats, Templates, Trajectory};
 use infomem_engine::backend::Backend;
 use infomem_engine::data::{self, QaRecord, ReadOptions};
 use infomem_engine::eval;
@@ -123,10 +123,6 @@ pub struct EvalArgs {
     pub json: bool,
 }
 
-pub fn to_query(r: &QaRecord) -> AgentQuery {
-    AgentQuery { id: r.id.clone(), question: r.question.clone(), context: r.context.clone(), answers: r.answers.clone() }
-}
-
 pub fn load_templates(a: &AgentArgs) -> Result<Templates> {
     match &a.templates {
         Some(p) => Templates::load(p),
@@ -135,7 +131,7 @@ pub fn load_templates(a: &AgentArgs) -> Result<Templates> {
 }
 
 pub fn read_data<B: Backend>(model: &Model<B>, path: &Path, d: &DataArgs, pad: Option<usize>, seed: u64) -> Result<Vec<QaRecord>> {
-    let opts = ReadOptions { skip_bad: d.skip_bad, pad_to_tokens: pad, tokenizer: model.tokenizer.as_ref(), seed, ..Default::default() };
+    let opts = ReadOptions { skip_bad: d.skip_bad, pad_to_tokens: pad, tokenizer: model.tokenizer.as_ref(), seed };
     let (mut recs, report) = data::read_records(path, opts)?;
     if !report.skipped.is_empty() {
         eprintln!("{}: skipped {} malformed record(s):", path.display(), report.skipped.len());
@@ -155,7 +151,7 @@ pub fn read_data<B: Backend>(model: &Model<B>, path: &Path, d: &DataArgs, pad: O
 /// Run the agent over `queries` in batches of `batch_queries`, with a progress bar.
 pub fn run_batches<B: Backend>(
     model: &Model<B>,
-    queries: &[AgentQuery],
+    queries: &[QaRecord],
     cfg: &AgentConfig,
     a: &AgentArgs,
     templates: &Templates,
@@ -213,7 +209,8 @@ fn merge_stats(acc: &mut RolloutStats, s: &RolloutStats) {
     acc.total_s += s.total_s;
 }
 
-fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, seed: u64, gain: bool, query_gain: bool, curve: bool) -> AgentConfig {
+/// The agent options and sampling; what is scored besides the outcome is the caller's to set.
+fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, seed: u64) -> AgentConfig {
     AgentConfig {
         chunk_tokens: a.chunk_tokens,
         memory_tokens: a.memory_tokens,
@@ -224,11 +221,9 @@ fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, 
         matcher: a.matcher,
         extract: a.extract,
         share_prefix: !a.no_share,
-        answer_gain: gain,
-        query_gain,
-        memory_curve: curve,
         max_batch_tokens: a.max_batch_tokens,
         seed,
+        ..Default::default()
     }
 }
 
@@ -239,22 +234,20 @@ pub fn rollout(a: RolloutArgs) -> Result<()> {
 fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
     let templates = load_templates(&a.agent)?;
     let recs = read_data(model, &a.data, &a.dargs, a.pad_to_tokens, a.seed)?;
-    let queries: Vec<AgentQuery> = recs.iter().map(to_query).collect();
     let sig = a.reward.signal();
-    let cfg = agent_config(
-        &a.agent,
-        a.group_size,
-        a.temperature,
-        a.top_p,
-        a.seed,
-        sig == reward::Signal::AnswerGain || a.memory_curve,
-        sig == reward::Signal::QueryGain,
-        a.memory_curve,
-    );
-    let (mut groups, st) = run_batches(model, &queries, &cfg, &a.agent, &templates, "rollout")?;
+    let cfg = AgentConfig {
+        answer_gain: sig == reward::Signal::AnswerGain || a.memory_curve,
+        query_gain: sig == reward::Signal::QueryGain,
+        memory_curve: a.memory_curve,
+        ..agent_config(&a.agent, a.group_size, a.temperature, a.top_p, a.seed)
+    };
+    let (mut groups, st) = run_batches(model, &recs, &cfg, &a.agent, &templates, "rollout")?;
     let mut out = Vec::new();
     for (g, rec) in groups.iter_mut().zip(&recs) {
-        reward::assign(g, a.reward, a.beta)?;
+        let signals: Vec<_> = g.iter().map(Trajectory::reward_signals).collect();
+        for (t, r) in g.iter_mut().zip(reward::assign(&signals, a.reward, a.beta)?) {
+            t.reward = Some(r);
+        }
         for t in g.iter() {
             let mut v = serde_json::to_value(t)?;
             v["task"] = json!(rec.task);
@@ -320,9 +313,10 @@ pub fn eval(a: EvalArgs) -> Result<()> {
 
 fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let templates = load_templates(&a.agent)?;
-    let cfg = agent_config(&a.agent, 1, 0.0, 1.0, a.seed, true, false, !a.no_memory_curve);
-    // (task, length, record) for every evaluated question
-    let mut items: Vec<(String, usize, QaRecord)> = Vec::new();
+    let cfg = AgentConfig { answer_gain: true, query_gain: false, memory_curve: !a.no_memory_curve, ..agent_config(&a.agent, 1, 0.0, 1.0, a.seed) };
+    // every evaluated question: its (task, length) and its record
+    let mut items: Vec<(String, usize)> = Vec::new();
+    let mut recs: Vec<QaRecord> = Vec::new();
     for path in &a.data {
         if a.lengths.is_empty() {
             for r in read_data(model, path, &a.dargs, None, a.seed)? {
@@ -331,24 +325,25 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
                     Some(l) => l,
                     None => model.tokenizer()?.encode(&r.context)?.len(),
                 };
-                items.push((r.task.clone(), len, r));
+                items.push((r.task.clone(), len));
+                recs.push(r);
             }
         } else {
             for &l in &a.lengths {
                 for r in read_data(model, path, &a.dargs, Some(l), a.seed)? {
-                    items.push((r.task.clone(), l, r));
+                    items.push((r.task.clone(), l));
+                    recs.push(r);
                 }
             }
         }
     }
-    let queries: Vec<AgentQuery> = items.iter().map(|(_, _, r)| to_query(r)).collect();
-    let (groups, st) = run_batches(model, &queries, &cfg, &a.agent, &templates, "eval")?;
+    let (groups, st) = run_batches(model, &recs, &cfg, &a.agent, &templates, "eval")?;
     let evaluated: Vec<eval::Evaluated> =
-        items.iter().zip(&groups).map(|((task, len, _), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
+        items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
     let rows = eval::summarize(&evaluated);
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
     let mut preds = Vec::new();
-    for ((task, len, r), g) in items.iter().zip(&groups) {
+    for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
         let t = &g[0];
         writeln!(
             preds,

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use infomem_engine::model::weights::write_safetensors;
 use infomem_engine::backend::cpu::CpuBackend;
-use infomem_engine::backend::train::TrainBackend;
+use infomem_engine::backend::TrainBackend;
 use infomem_engine::data::{self, ReadOptions};
 use infomem_engine::rl::grpo;
 use infomem_engine::rl::trainer::{self, TrainConfig, Trainer};
@@ -252,15 +252,15 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
     if !report.skipped.is_empty() {
         eprintln!("{}: skipped {} malformed records", data_path.display(), report.skipped.len());
     }
-    let queries = recs.iter().map(super::agent::to_query).collect();
-    let mut t = Trainer::new(cfg, a.resume, queries, move |_| Ok(model))?;
+    let n_records = recs.len();
+    let mut t = Trainer::new(cfg, a.resume, recs, move |_| Ok(model))?;
     let pb = progress::bar(t.cfg.steps as u64, "steps");
     pb.set_position(t.step as u64);
     eprintln!(
         "training {} on {} ({} records): {} steps × {} queries × {} rollouts, reward {}, out {}",
         model_dir.display(),
         data_path.display(),
-        recs.len(),
+        n_records,
         t.cfg.steps,
         t.cfg.queries_per_step,
         t.cfg.group_size,

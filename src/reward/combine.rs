@@ -105,6 +105,36 @@ pub fn combine(mode: RewardMode, outcomes: &[f64], signal: &[f64], beta: f64) ->
     }
 }
 
+/// One rollout as the reward sees it: its 0/1 outcome and the memory signals scored for it
+/// (`None`: not scored during the rollout).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RolloutSignals {
+    pub outcome: f64,
+    /// `L(M_K) − L(∅)` of the gold answer (Eq. 6).
+    pub answer_gain: Option<f64>,
+    /// `L(M_K) − L(∅)` of the question.
+    pub query_gain: Option<f64>,
+    /// `Σ_t [recall(M_t) − recall(M_{t−1})]`.
+    pub lexical_gain: f64,
+}
+
+/// Final rewards of one group (the `n` rollouts of a query) under `mode`, in group order.
+/// Errors when the mode's signal was not scored during the rollout, or is not finite.
+pub fn assign(group: &[RolloutSignals], mode: RewardMode, beta: f64) -> anyhow::Result<Vec<f64>> {
+    let outcomes: Vec<f64> = group.iter().map(|r| r.outcome).collect();
+    let scored = |x: Option<f64>, what: &str| x.ok_or_else(|| anyhow::anyhow!("reward {}: the {what} was not scored", mode.name()));
+    let signal: Vec<f64> = match mode.signal() {
+        Signal::None => vec![0.0; group.len()],
+        Signal::AnswerGain => group.iter().map(|r| scored(r.answer_gain, "answer gain")).collect::<anyhow::Result<_>>()?,
+        Signal::QueryGain => group.iter().map(|r| scored(r.query_gain, "query gain")).collect::<anyhow::Result<_>>()?,
+        Signal::LexicalGain => group.iter().map(|r| r.lexical_gain).collect(),
+    };
+    if let Some(x) = signal.iter().find(|x| !x.is_finite()) {
+        anyhow::bail!("reward {}: non-finite memory signal {x}", mode.name());
+    }
+    Ok(combine(mode, &outcomes, &signal, beta))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,9 +1,12 @@
 //! Rewards: the outcome reward (answer extraction, normalization, em / sub_em / f1), the memory
 //! gain of Eq. 6, and the InfoMem combination with its ablations — all behind `combine`.
+//!
+//! Pure functions over numbers and strings: this module imports nothing from the rest of the
+//! crate. Callers hand in a group as [`RolloutSignals`] and set the rewards they get back.
 pub mod combine;
 pub mod outcome;
 
-pub use combine::{combine, zscores, RewardMode, Signal};
+pub use combine::{assign, combine, zscores, RewardMode, RolloutSignals, Signal};
 pub use outcome::{extract, extract_answer, normalize, Extract, Matcher};
 
 /// Mean of per-token log-probabilities (the `L(M)` of Eq. 6).
@@ -47,29 +50,4 @@ pub fn parse_groups(text: &str, file: &str) -> anyhow::Result<Vec<GroupLine>> {
         out.push(g);
     }
     Ok(out)
-}
-
-/// Set `reward` on every trajectory of one group (the `n` rollouts of a query) under `mode`.
-/// Errors when the mode's signal was not scored during the rollout.
-pub fn assign(group: &mut [crate::agent::Trajectory], mode: RewardMode, beta: f64) -> anyhow::Result<()> {
-    let outcomes: Vec<f64> = group.iter().map(|t| t.outcome).collect();
-    let signal: Vec<f64> = match mode.signal() {
-        Signal::None => vec![0.0; group.len()],
-        Signal::AnswerGain => group
-            .iter()
-            .map(|t| t.gain.ok_or_else(|| anyhow::anyhow!("reward {}: the answer gain was not scored", mode.name())))
-            .collect::<anyhow::Result<_>>()?,
-        Signal::QueryGain => group
-            .iter()
-            .map(|t| t.query_gain.ok_or_else(|| anyhow::anyhow!("reward {}: the query gain was not scored", mode.name())))
-            .collect::<anyhow::Result<_>>()?,
-        Signal::LexicalGain => group.iter().map(|t| t.lexical_gain()).collect(),
-    };
-    if let Some(x) = signal.iter().find(|x| !x.is_finite()) {
-        anyhow::bail!("reward {}: non-finite memory signal {x}", mode.name());
-    }
-    for (t, r) in group.iter_mut().zip(combine(mode, &outcomes, &signal, beta)) {
-        t.reward = Some(r);
-    }
-    Ok(())
 }

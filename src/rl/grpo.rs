@@ -21,7 +21,8 @@
 //! current `logp` detached (ratio 1), which is what a missing `old_logprobs` means here.
 //!
 //! Token math is done in f64 on the f32 log-probabilities.
-use crate::backend::train::TrainBackend;
+use crate::agent::Trajectory;
+use crate::backend::TrainBackend;
 use crate::model::lora::{LoraAdapter, ALL_PROJS};
 use crate::model::config::ModelConfig;
 use crate::runtime::backward::{policy_grads, response_logprobs, LoraGrads, Policy, TokenScores, TrainSeq};
@@ -31,18 +32,10 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use crate::backend::timed;
 
-/// One generated conversation turn of a rollout: prompt, generated tokens, the trajectory's
-/// advantage and (optionally) the log-probabilities under the old and the reference policies.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Conversation {
-    pub prompt: Vec<u32>,
-    pub response: Vec<u32>,
-    pub advantage: f32,
-    /// `None`: the current policy, detached (one update per rollout batch).
-    pub old_logprobs: Option<Vec<f32>>,
-    /// `None`: computed with the LoRA switched off (skipped when `kl_coef` is 0).
-    pub ref_logprobs: Option<Vec<f32>>,
-}
+/// The batch element: a rollout's (prompt, response) with the trajectory's advantage and,
+/// optionally, the log-probabilities under the old and the reference policies. One type with the
+/// rollout's output, so the trainer sets advantages in place instead of copying turns.
+pub use crate::agent::Conversation;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GrpoConfig {
@@ -268,17 +261,16 @@ pub fn group_advantages(rewards: &[f64], norm: AdvNorm) -> Vec<f64> {
     }
 }
 
-/// Multi-conversation credit assignment: every (prompt, response) turn of trajectory `i` (its
-/// `K` memory updates and the final answer) becomes a conversation with advantage `A_i`.
-pub fn broadcast_advantages(trajectories: Vec<Vec<(Vec<u32>, Vec<u32>)>>, advantages: &[f64]) -> Result<Vec<Conversation>> {
-    ensure!(trajectories.len() == advantages.len(), "{} trajectories but {} advantages", trajectories.len(), advantages.len());
-    Ok(trajectories
-        .into_iter()
-        .zip(advantages)
-        .flat_map(|(turns, &a)| {
-            turns.into_iter().map(move |(prompt, response)| Conversation { prompt, response, advantage: a as f32, old_logprobs: None, ref_logprobs: None })
-        })
-        .collect())
+/// Multi-conversation credit assignment: every turn of trajectory `i` (its `K` memory updates
+/// and the final answer) trains with the trajectory's advantage `A_i`.
+pub fn broadcast_advantages(group: &mut [Trajectory], advantages: &[f64]) -> Result<()> {
+    ensure!(group.len() == advantages.len(), "{} trajectories but {} advantages", group.len(), advantages.len());
+    for (t, &a) in group.iter_mut().zip(advantages) {
+        for turn in &mut t.turns {
+            turn.conv.advantage = a as f32;
+        }
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -470,6 +462,8 @@ pub fn run_train_bench<B: TrainBackend>(model: &Model<B>, s: TrainShape, seed: u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::{ConvKind, Turn};
+    use crate::runtime::Finish;
 
     #[test]
     fn token_terms_match_hand_derivatives() {
@@ -500,8 +494,18 @@ mod tests {
         assert_eq!(group_advantages(&[1.0, 0.0], AdvNorm::Mean), vec![0.5, -0.5]);
         assert_eq!(group_advantages(&[3.0], AdvNorm::Std), vec![0.0]);
         assert_eq!(group_advantages(&[2.0, 2.0], AdvNorm::Std), vec![0.0, 0.0]);
-        let convs = broadcast_advantages(vec![vec![(vec![1], vec![2]), (vec![3], vec![4])], vec![(vec![5], vec![6])]], &[0.5, -1.0]).unwrap();
-        assert_eq!(convs.iter().map(|c| c.advantage).collect::<Vec<_>>(), vec![0.5, 0.5, -1.0]);
+        let traj = |turns: &[(u32, u32)]| {
+            let mut t = Trajectory::start("q", 0, 0, "none", &[], false);
+            for &(p, r) in turns {
+                let conv = Conversation { prompt: vec![p], response: vec![r], ..Default::default() };
+                t.turns.push(Turn { kind: ConvKind::Update, conv, prefix_len: 0, gen_logprobs: vec![], finish: Finish::Length, step_s: 0.0 });
+            }
+            t
+        };
+        let mut group = vec![traj(&[(1, 2), (3, 4)]), traj(&[(5, 6)])];
+        broadcast_advantages(&mut group, &[0.5, -1.0]).unwrap();
+        let advs: Vec<f32> = group.iter().flat_map(|t| t.turns.iter().map(|c| c.conv.advantage)).collect();
+        assert_eq!(advs, vec![0.5, 0.5, -1.0]);
     }
 
     #[test]

@@ -9,8 +9,9 @@
 //! written to a temporary directory and renamed into place; a kill never leaves a half one.
 use super::grpo::{self, AdvNorm, Conversation, GrpoConfig, GrpoStats};
 use super::optim::{AdamW, AdamWConfig};
-use crate::agent::{self, AgentConfig, AgentQuery, Templates, Trajectory};
-use crate::backend::train::TrainBackend;
+use crate::agent::{self, AgentConfig, Templates, Trajectory};
+use crate::backend::TrainBackend;
+use crate::data::QaRecord;
 use crate::model::lora::{LoraAdapter, Proj};
 use crate::model::weights::{write_safetensors, SafetensorsSet};
 use crate::reward::{self, Extract, Matcher, RewardMode};
@@ -291,7 +292,7 @@ pub struct Trainer<B: TrainBackend> {
     pub opt: AdamW<B>,
     pub step: usize,
     pub cursor: DataCursor,
-    queries: Vec<AgentQuery>,
+    queries: Vec<QaRecord>,
     templates: Templates,
 }
 
@@ -315,7 +316,7 @@ pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
 impl<B: TrainBackend> Trainer<B> {
     /// A new run (or, with `resume`, the continuation of the run in `cfg.out`). `make_model`
     /// loads the base model on the backend.
-    pub fn new(mut cfg: TrainConfig, resume: bool, queries: Vec<AgentQuery>, make_model: impl FnOnce(&Path) -> Result<Model<B>>) -> Result<Self> {
+    pub fn new(mut cfg: TrainConfig, resume: bool, queries: Vec<QaRecord>, make_model: impl FnOnce(&Path) -> Result<Model<B>>) -> Result<Self> {
         let mut resumed: Option<(PathBuf, CheckpointState)> = None;
         if resume {
             let dir = latest_checkpoint(&cfg.out)
@@ -399,7 +400,7 @@ impl<B: TrainBackend> Trainer<B> {
         let t_step = Instant::now();
         let s = self.step;
         let (idx, next_cursor) = self.cursor.peek(self.cfg.queries_per_step);
-        let batch: Vec<AgentQuery> = idx.iter().map(|&i| self.queries[i].clone()).collect();
+        let batch: Vec<QaRecord> = idx.iter().map(|&i| self.queries[i].clone()).collect();
         let mut m = StepMetrics { step: s + 1, lr: self.cfg.lr_at(s), ..Default::default() };
 
         // ---- rollouts with the live policy ----
@@ -416,22 +417,21 @@ impl<B: TrainBackend> Trainer<B> {
 
         // ---- rewards and advantages ----
         let norm = AdvNorm::parse(&self.cfg.adv_norm)?;
-        let mut convs: Vec<Conversation> = Vec::new();
         for g in groups.iter_mut() {
-            if let Err(e) = reward::assign(g, self.cfg.reward, self.cfg.beta) {
+            let signals: Vec<_> = g.iter().map(Trajectory::reward_signals).collect();
+            let rewards = reward::assign(&signals, self.cfg.reward, self.cfg.beta).unwrap_or_else(|e| {
                 // e.g. a NaN gain from a broken policy: never turn it into an update
                 m.skipped = Some(format!("{e:#}"));
-                for t in g.iter_mut() {
-                    t.reward = Some(t.outcome);
-                }
+                signals.iter().map(|s| s.outcome).collect()
+            });
+            for (t, &r) in g.iter_mut().zip(&rewards) {
+                t.reward = Some(r);
             }
-            let rewards: Vec<f64> = g.iter().map(|t| t.reward.unwrap()).collect();
             if rewards.iter().any(|r| (r - rewards[0]).abs() > 1e-12) {
                 m.informative_groups += 1;
             }
             let adv = grpo::group_advantages(&rewards, norm);
-            let turns = g.iter().map(|t| t.conversations.iter().map(|c| (c.prompt_ids.clone(), c.gen_ids.clone())).collect()).collect();
-            convs.extend(grpo::broadcast_advantages(turns, &adv)?);
+            grpo::broadcast_advantages(g, &adv)?;
         }
         let all: Vec<&Trajectory> = groups.iter().flatten().collect();
         let n = all.len() as f64;
@@ -449,6 +449,7 @@ impl<B: TrainBackend> Trainer<B> {
         }
         let gs: Vec<f64> = all.iter().filter(|t| t.outcome == 1.0).filter_map(|t| t.gain).collect();
         m.gain_mean_success = (!gs.is_empty()).then(|| gs.iter().sum::<f64>() / gs.len() as f64);
+        let mut convs: Vec<Conversation> = groups.into_iter().flatten().flat_map(|t| t.turns.into_iter().map(|turn| turn.conv)).collect();
 
         // ---- GRPO update: micro-batches, token-mean loss over the whole batch ----
         let t_up = Instant::now();

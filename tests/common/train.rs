@@ -1,19 +1,21 @@
 #![allow(dead_code)]
 //! Trainer fixtures shared by tests/train.rs and tests/train_interrupt.rs.
-use infomem_engine::agent::AgentQuery;
 use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::data::QaRecord;
 use infomem_engine::reward::RewardMode;
 use infomem_engine::rl::trainer::{TrainConfig, Trainer};
 use infomem_engine::runtime::Model;
 use std::path::Path;
 
-pub fn queries() -> Vec<AgentQuery> {
+pub fn queries() -> Vec<QaRecord> {
     (0..5)
-        .map(|i| AgentQuery {
+        .map(|i| QaRecord {
             id: format!("q{i}"),
             question: format!("What is code {i}?"),
             context: format!("Filler words here. The code {i} is {}. More filler after it.", 1000 + i).repeat(1 + i % 2),
             answers: vec![format!("{}", 1000 + i)],
+            task: "test".into(),
+            meta: Default::default(),
         })
         .collect()
 }
