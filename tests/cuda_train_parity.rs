@@ -19,7 +19,7 @@ use common::*;
 use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::backend::cuda::memory::TrainMemPlan;
 use infomem_engine::backend::cuda::{self, CudaBackend, Dtype};
-use infomem_engine::backend::train::{AdamWStep, DenseSeq, TrainBackend};
+use infomem_engine::backend::{AdamWStep, DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, Backend};
 use infomem_engine::model::config::ModelConfig;
 use infomem_engine::model::lora::{LoraAdapter, ALL_PROJS};
@@ -790,7 +790,7 @@ impl TrainBackend for RoundingCpu {
     fn lora_bwd(&self, x: &Vec<f32>, a: &Vec<f32>, b: &Vec<f32>, scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &Vec<f32>, col0: usize, ld: usize, da: &mut Vec<f32>, db: &mut Vec<f32>, dx: Option<&mut Vec<f32>>) -> anyhow::Result<()> {
         self.0.lora_bwd(&rb(&x[..m * k]), a, b, scale, m, k, r, n_out, &rb(&dy[..m * ld]), col0, ld, da, db, dx)
     }
-    fn head_grad(&self, h: &Vec<f32>, head: &Vec<f32>, targets: &[u32], d: usize, vocab: usize, g: &mut Vec<f32>) -> anyhow::Result<infomem_engine::backend::train::HeadOut> {
+    fn head_grad(&self, h: &Vec<f32>, head: &Vec<f32>, targets: &[u32], d: usize, vocab: usize, g: &mut Vec<f32>) -> anyhow::Result<infomem_engine::backend::HeadOut> {
         self.0.head_grad(&rb(h), head, targets, d, vocab, g)
     }
     fn scale_rows(&self, x: &mut Vec<f32>, coef: &[f32], d: usize) -> anyhow::Result<()> {

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use infomem_engine::model::weights::write_safetensors;
 use infomem_engine::backend::cpu::CpuBackend;
-use infomem_engine::backend::train::TrainBackend;
+use infomem_engine::backend::TrainBackend;
 use infomem_engine::data::{self, ReadOptions};
 use infomem_engine::rl::grpo;
 use infomem_engine::rl::trainer::{self, TrainConfig, Trainer};

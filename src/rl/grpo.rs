@@ -21,7 +21,7 @@
 //! current `logp` detached (ratio 1), which is what a missing `old_logprobs` means here.
 //!
 //! Token math is done in f64 on the f32 log-probabilities.
-use crate::backend::train::TrainBackend;
+use crate::backend::TrainBackend;
 use crate::model::lora::{LoraAdapter, ALL_PROJS};
 use crate::model::config::ModelConfig;
 use crate::runtime::backward::{policy_grads, response_logprobs, LoraGrads, Policy, TokenScores, TrainSeq};

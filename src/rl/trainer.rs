@@ -10,7 +10,7 @@
 use super::grpo::{self, AdvNorm, Conversation, GrpoConfig, GrpoStats};
 use super::optim::{AdamW, AdamWConfig};
 use crate::agent::{self, AgentConfig, AgentQuery, Templates, Trajectory};
-use crate::backend::train::TrainBackend;
+use crate::backend::TrainBackend;
 use crate::model::lora::{LoraAdapter, Proj};
 use crate::model::weights::{write_safetensors, SafetensorsSet};
 use crate::reward::{self, Extract, Matcher, RewardMode};

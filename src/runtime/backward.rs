@@ -28,7 +28,7 @@
 //! The loss is supplied by the caller as a function of the response tokens' log-probabilities
 //! (and entropies) returning `∂loss/∂logp` per token (`rl::grpo` builds the GRPO one on this).
 use super::model::Model;
-use crate::backend::train::{DenseSeq, TrainBackend};
+use crate::backend::{DenseSeq, TrainBackend};
 use crate::backend::Backend;
 use crate::model::lora::{Proj, ALL_PROJS};
 use crate::model::weights::HostTensor;

@@ -13,7 +13,7 @@
 //! Dtypes (module doc of `cuda`): gradients f32; GEMM inputs rounded to bf16 on the way in;
 //! LoRA parameters become f32 masters with a bf16 shadow at their first `adamw`.
 use super::{gemm, grid_for, train_attn, CudaBackend, CudaBuf, Dtype, LoraTerm, HEAD_DIMS, LOGPROB_MAX_ROWS, LOGPROB_SCRATCH, LP_THREADS, NORM_THREADS};
-use crate::backend::train::{AdamWStep, DenseSeq, HeadOut, TrainBackend};
+use crate::backend::{AdamWConstants, AdamWStep, DenseSeq, HeadOut, TrainBackend};
 use crate::backend::AttnGeom;
 use anyhow::{anyhow, bail, ensure, Result};
 use std::ffi::c_void;
@@ -59,7 +59,7 @@ impl TrainBackend for CudaBackend {
     /// set: `memory::keep_budget`. On an H200 this keeps every layer of a 0.5B model's 8 × 4096
     /// batch and spares the recompute's forward.
     fn keep_activation_bytes(&self, working_set: usize) -> Result<usize> {
-        if let Some(b) = crate::backend::train::keep_override()? {
+        if let Some(b) = crate::backend::keep_override()? {
             return Ok(b);
         }
         Ok(super::memory::keep_budget(self.mem_info()?.usable(), working_set))
@@ -418,13 +418,8 @@ impl TrainBackend for CudaBackend {
             p.shadow = Some(self.alloc(n * 2)?);
         }
         let shp = p.shadow.as_ref().expect("set just above").ptr();
-        // the host constants exactly as backend::train::cpu::adamw computes them
-        let t = h.step.max(1) as i32;
-        let bc1 = 1.0 - (h.beta1 as f64).powi(t);
-        let bc2 = 1.0 - (h.beta2 as f64).powi(t);
-        let step_size = (h.lr as f64 / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let decay = 1.0 - h.lr * h.weight_decay;
+        // the host constants of the CPU twin (`AdamWStep::constants`)
+        let AdamWConstants { step_size, bc2_sqrt, decay } = h.constants();
         let (b1, omb1, b2, omb2, eps, gs) = (h.beta1, 1.0 - h.beta1, h.beta2, 1.0 - h.beta2, h.eps, h.grad_scale);
         let (pp, gp, n64) = (p.ptr(), g.ptr(), n as i64);
         launch!(self, "adamw_f32", grid_for(n, 256), 256, pp, shp, gp, mp, vp, n64, b1, omb1, b2, omb2, eps, decay, step_size, bc2_sqrt, gs)

@@ -4,9 +4,9 @@
 //! of all three kernels (fragment ownership of mma.sync m16n8k16 per the PTX ISA, as written in
 //! `kernels/mma.cuh`; packed GQA rows; key/query tiling; double-buffered stages; causal masks;
 //! quad shuffles; bf16 rounding where the kernels round), checked against the CPU twins
-//! `backend::train::cpu::{attn_dense, attn_dense_bwd}`. Without a GPU this is what verifies the
+//! `backend::cpu::attention_dense::{attn_dense, attn_dense_bwd}`. Without a GPU this is what verifies the
 //! kernels' index math; on a GPU `tests/cuda_train_parity.rs` checks the kernels themselves.
-use crate::backend::train::DenseSeq;
+use crate::backend::DenseSeq;
 use crate::backend::AttnGeom;
 use anyhow::{bail, Result};
 
@@ -649,7 +649,7 @@ mod tests {
     use super::emulate::*;
     use super::*;
     use crate::backend::cuda::emulate::bf;
-    use crate::backend::train::cpu as twin;
+    use crate::backend::cpu::attention_dense as twin;
     use crate::util::rng::Rng;
 
     fn geom(n_heads: usize, n_kv: usize, hd: usize) -> AttnGeom {
