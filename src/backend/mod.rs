@@ -210,6 +210,7 @@ pub trait Backend: Send + Sync {
     /// `out = x / rms(x) · w` per row of `d`.
     fn rmsnorm(&self, x: &Self::Buf, w: &Self::Buf, eps: f32, rows: usize, d: usize, out: &mut Self::Buf) -> Result<()>;
     /// `resid += delta; out = rmsnorm(resid) · w` (the residual add fused with the next norm).
+    #[allow(clippy::too_many_arguments)]
     fn add_rmsnorm(
         &self,
         resid: &mut Self::Buf,
@@ -223,6 +224,7 @@ pub trait Backend: Send + Sync {
     /// `resid += delta`.
     fn add(&self, resid: &mut Self::Buf, delta: &Self::Buf, n: usize) -> Result<()>;
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
+    #[allow(clippy::too_many_arguments)]
     fn matmul(&self, x: &Self::Buf, w: &Self::Buf, bias: Option<&Self::Buf>, m: usize, k: usize, n: usize, out: &mut Self::Buf) -> Result<()>;
     /// LoRA delta into a column slice of `out`: `out[:, col0..col0+n_out] += scale · (x Aᵀ) Bᵀ`,
     /// `x [m, k]`, `A [r, k]`, `B [n_out, r]`, `out` rows of `ld` — `B·A` is never formed.
