@@ -5,7 +5,7 @@
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend};
-use infomem_engine::backend::train::{DenseSeq, TrainBackend};
+use infomem_engine::backend::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
 use std::hint::black_box;
 use std::time::Duration;

@@ -6,7 +6,8 @@
 // of its GQA group: packed row r ↦ (query i = r / G, head g = r % G), G = n_heads / n_kv_heads,
 // so every K/V tile loaded from the cache serves all G query heads that read it. A work item
 // (one block) is (sequence, kv head, tile of BM = 64 packed rows, key split). The host builds the
-// item list (src/backend/cuda/attn.rs, whose `emulate` runs this kernel lane by lane on the CPU);
+// item list (src/backend/cuda/attention.rs; src/backend/cuda/emulate/attention.rs runs this kernel
+// lane by lane on the CPU);
 // sequences with one query row (decode) and a long context are split into `split_len`-key ranges
 // whose partial (unnormalized O, running max m, sum l) go to a workspace and are merged by
 // attn_combine; every other item writes its normalized output directly.
@@ -35,13 +36,47 @@
 // hd ∈ {16, 32, 64, 128} are instantiated (mma's k = 16 divides them).
 //
 // CPU twin: backend::cpu::attention::attention. CPU emulation (tests, no GPU needed):
-// src/backend/cuda/attn.rs `emulate` executes this kernel's fragments, shared-memory offsets,
+// src/backend/cuda/emulate/attention.rs executes this kernel's fragments, shared-memory offsets,
 // cp.async commit/wait and barrier order (hazards panic) and attn_combine, and compares the
 // result with the twin; its primitives (mma ownership, shuffles, async shared memory) are in
-// src/backend/cuda/emulate.rs. Keep the emulator in step with any change here.
+// src/backend/cuda/emulate/mod.rs. Keep the emulator in step with any change here.
 #include "mma.cuh"  // cp.async and mma.sync helpers (shared with the dense attention kernels)
 
-// Must match `AttnSeqDev` / `AttnItem` in src/backend/cuda/attn.rs (#[repr(C)], 8 + 4 ints).
+// The KV cache store: one block per token row; thread t owns elements t, t + blockDim, ... of the
+// row's k and v parts (2·kv_dim elements, contiguous in qkv right after the q part), each written
+// to its cache slot. Pool layout (one allocation, bf16): [page][layer][k|v][kv_head][page_size][head_dim],
+// so a (layer, k|v, head) run of a page is page_size·head_dim contiguous elements (what the
+// attention kernel loads) and copy-on-write of a page is one contiguous device copy.
+// slot = page·page_size + offset, as in runtime::kv; offsets are 64-bit (pools can exceed 2^31
+// elements). CPU twin: backend::cpu::attention::CpuKv::store.
+template <typename T>
+__device__ void kv_store_impl(bf16* __restrict__ pool, const T* __restrict__ qkv, const uint32_t* __restrict__ slots,
+                              int layer, int n_layers, int n_kv, int hd, int page_size, int q_dim, int width) {
+    const size_t row = blockIdx.x;
+    const uint32_t slot = slots[row];
+    const size_t page = slot / (uint32_t)page_size;
+    const int s = (int)(slot % (uint32_t)page_size);
+    const int kv_dim = n_kv * hd;
+    const T* src = qkv + row * (size_t)width + q_dim;  // k heads, then v heads
+    for (int e = threadIdx.x; e < 2 * kv_dim; e += blockDim.x) {
+        const int which = e / kv_dim;  // 0 = k, 1 = v
+        const int rem = e - which * kv_dim;
+        const int h = rem / hd, dd = rem - h * hd;
+        const size_t off = ((((page * n_layers + layer) * 2 + which) * n_kv + h) * page_size + s) * (size_t)hd + dd;
+        pool[off] = from_f32<bf16>(to_f32(src[e]));
+    }
+}
+
+extern "C" __global__ void kv_store_f32(bf16* pool, const float* qkv, const uint32_t* slots, int layer, int n_layers,
+                                        int n_kv, int hd, int page_size, int q_dim, int width) {
+    kv_store_impl<float>(pool, qkv, slots, layer, n_layers, n_kv, hd, page_size, q_dim, width);
+}
+extern "C" __global__ void kv_store_bf16(bf16* pool, const bf16* qkv, const uint32_t* slots, int layer, int n_layers,
+                                         int n_kv, int hd, int page_size, int q_dim, int width) {
+    kv_store_impl<bf16>(pool, qkv, slots, layer, n_layers, n_kv, hd, page_size, q_dim, width);
+}
+
+// Must match `AttnSeqDev` / `AttnItem` in src/backend/cuda/attention.rs (#[repr(C)], 8 + 4 ints).
 struct AttnSeqDev {
     int q_row;      // first row of the sequence in the batch (qkv and out rows)
     int n_q;        // query rows

@@ -1,6 +1,6 @@
 // Shared helpers of the infomem-engine kernels (included by every kernels/*.cu).
 //
-// Conventions (see src/backend/cuda/mod.rs for the Rust side):
+// Conventions (see src/backend/cuda/mod.rs and device.rs for the Rust side):
 // - storage: weights, the KV cache and GEMM inputs are bf16; the residual stream, GEMM outputs,
 //   logits and every accumulator are f32. Activation inputs of most kernels may be either, so
 //   those kernels are templates instantiated for both (`_f32` / `_bf16` name suffixes).

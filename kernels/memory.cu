@@ -1,20 +1,15 @@
-// Data movement: token embedding gather, row gather, the slot-addressed KV store, f32 → bf16,
-// and the bias add that follows a GEMM (y[m, n] += b[n]; the GEMMs write f32).
+// Row movement: token embedding gather, row gather, f32 → bf16, the bias add that follows a
+// GEMM (y[m, n] += b[n]; the GEMMs write f32), and the training head's row scaling and
+// scatter-add (further down).
 //
 // Ideas:
 // - embed / gather_rows: one block per output row, threads stride over the row's d elements
 //   (coalesced reads of one source row, coalesced writes). gather_rows moves raw 2- or 4-byte
 //   elements (bf16 or f32 buffers alike); embed widens the bf16 table to the f32 residual stream.
-// - kv_store: one block per token row; thread t owns elements t, t + blockDim, ... of the row's
-//   k and v parts (2·kv_dim elements, contiguous in qkv right after the q part), each written to
-//   its cache slot. KV pool layout (one allocation, bf16):
-//       [page][layer][k|v][kv_head][page_size][head_dim]
-//   so a (layer, k|v, head) run of a page is page_size·head_dim contiguous elements (what the
-//   attention kernel loads), and copy-on-write of a page is one contiguous device copy.
-//   slot = page·page_size + offset, as in runtime::kv. Offsets are 64-bit (pools can exceed 2^31
-//   elements).
+// - the KV cache's slot-addressed store is with the paged attention (attention.cu).
 //
-// CPU twins: backend::cpu::ops::{embed, gather_rows}, backend::cpu::attention::CpuKv::store.
+// CPU twins: backend::cpu::memory::{embed, gather_rows, scale_rows, scatter_add_rows}.
+// Launches: src/backend/cuda/memory.rs.
 #include "common.cuh"
 
 extern "C" __global__ void embed_bf16(const bf16* __restrict__ table, const uint32_t* __restrict__ ids, int d,
@@ -59,29 +54,35 @@ extern "C" __global__ void add_bias_f32(float* y, const float* b, int n, long lo
     add_bias_impl<float>(y, b, n, total);
 }
 
-template <typename T>
-__device__ void kv_store_impl(bf16* __restrict__ pool, const T* __restrict__ qkv, const uint32_t* __restrict__ slots,
-                              int layer, int n_layers, int n_kv, int hd, int page_size, int q_dim, int width) {
+
+// ===============================================================================================
+// Rows of the training head: scale and scatter-add
+//
+// Row-wise helpers of the training head: scaling each row by its own coefficient (∂loss/∂logp
+// per response token) and scattering rows back into the batch (the loss rows' gradient into the
+// residual stream's).
+// Idea: one block per row, threads stride over the row's d elements (coalesced). scatter_add's
+// destination rows are distinct (the host checks), so blocks never write the same element and no
+// atomics are needed. Everything f32 (gradients).
+//
+// Launch: grid = rows (of x / of src), block = 256.
+extern "C" __global__ void scale_rows_f32(float* __restrict__ x, const float* __restrict__ coef, int d) {
     const size_t row = blockIdx.x;
-    const uint32_t slot = slots[row];
-    const size_t page = slot / (uint32_t)page_size;
-    const int s = (int)(slot % (uint32_t)page_size);
-    const int kv_dim = n_kv * hd;
-    const T* src = qkv + row * (size_t)width + q_dim;  // k heads, then v heads
-    for (int e = threadIdx.x; e < 2 * kv_dim; e += blockDim.x) {
-        const int which = e / kv_dim;  // 0 = k, 1 = v
-        const int rem = e - which * kv_dim;
-        const int h = rem / hd, dd = rem - h * hd;
-        const size_t off = ((((page * n_layers + layer) * 2 + which) * n_kv + h) * page_size + s) * (size_t)hd + dd;
-        pool[off] = from_f32<bf16>(to_f32(src[e]));
-    }
+    const float c = coef[row];
+    float* xr = x + row * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) xr[j] *= c;
 }
 
-extern "C" __global__ void kv_store_f32(bf16* pool, const float* qkv, const uint32_t* slots, int layer, int n_layers,
-                                        int n_kv, int hd, int page_size, int q_dim, int width) {
-    kv_store_impl<float>(pool, qkv, slots, layer, n_layers, n_kv, hd, page_size, q_dim, width);
+template <typename T>
+__device__ void scatter_add_rows_impl(const T* __restrict__ src, const uint32_t* __restrict__ rows, int d,
+                                      float* __restrict__ dst) {
+    const T* s = src + (size_t)blockIdx.x * d;
+    float* o = dst + (size_t)rows[blockIdx.x] * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] += to_f32(s[j]);
 }
-extern "C" __global__ void kv_store_bf16(bf16* pool, const bf16* qkv, const uint32_t* slots, int layer, int n_layers,
-                                         int n_kv, int hd, int page_size, int q_dim, int width) {
-    kv_store_impl<bf16>(pool, qkv, slots, layer, n_layers, n_kv, hd, page_size, q_dim, width);
+extern "C" __global__ void scatter_add_rows_f32(const float* src, const uint32_t* rows, int d, float* dst) {
+    scatter_add_rows_impl<float>(src, rows, d, dst);
+}
+extern "C" __global__ void scatter_add_rows_bf16(const bf16* src, const uint32_t* rows, int d, float* dst) {
+    scatter_add_rows_impl<bf16>(src, rows, d, dst);
 }

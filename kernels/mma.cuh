@@ -1,5 +1,5 @@
 // Tensor-core and async-copy helpers of the attention kernels: the paged inference kernel
-// (attention.cu) and the dense training kernels (attention_dense.cu, attention_bwd.cu).
+// (attention.cu) and the dense training kernels (attention_dense.cu: forward and backward).
 //
 // mma.sync m16n8k16 (bf16 × bf16 → f32) fragment ownership, PTX ISA, lane = 4·gid + tq
 // (gid = lane >> 2, tq = lane & 3):
@@ -19,8 +19,8 @@
 //   - the C fragments of n-tiles 2j and 2j+1 are, element for element, the A fragment of k-step
 //     j of the same 16 rows: a0 = (c0,c1) of 2j, a1 = (c2,c3) of 2j, a2 = (c0,c1) of 2j+1,
 //     a3 = (c2,c3) of 2j+1 — so a product's result feeds the next product without shuffles.
-// src/backend/cuda/emulate.rs emulates these layouts lane by lane on the CPU (tests; used by the
-// kernel emulators in src/backend/cuda/attn.rs and train_attn.rs).
+// src/backend/cuda/emulate/mod.rs emulates these layouts lane by lane on the CPU (tests; used by
+// the kernel emulators in src/backend/cuda/emulate/attention.rs and attention_dense.rs).
 #pragma once
 #include "common.cuh"
 
@@ -69,7 +69,7 @@ __device__ __forceinline__ void b_from_rows(const bf16* y, uint32_t& b0, uint32_
 }
 
 // Sequence and work item of the dense kernels; must match DenseSeqDev / DenseItem in
-// src/backend/cuda/train_attn.rs (#[repr(C)]).
+// src/backend/cuda/attention_dense.rs (#[repr(C)]).
 struct DenseSeqDev {
     int row0;  // first row of the sequence in the batch
     int len;   // rows (= positions 0 .. len)

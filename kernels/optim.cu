@@ -14,7 +14,7 @@
 //   (shadow, what the GEMMs read).
 // widen_bf16: a bf16 buffer → f32 (a parameter's first step promotes it to an f32 master).
 //
-// CPU twins: backend::train::cpu::adamw, TrainBackend::{sum_squares, scale} of CpuBackend.
+// CPU twins: backend::cpu::optim::adamw, TrainBackend::{sum_squares, scale} of CpuBackend.
 // Launch: 1-D grids of 256-thread blocks (grid-stride loops).
 #include "common.cuh"
 

@@ -13,7 +13,7 @@ mod common;
 
 use common::{cases, expected, fixtures};
 use infomem_engine::backend::cpu::CpuBackend;
-use infomem_engine::backend::train::{AdamWStep, DenseSeq, TrainBackend};
+use infomem_engine::backend::{AdamWStep, DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, Backend};
 use infomem_engine::model::config::ModelConfig;
 use infomem_engine::model::lora::{LoraAdapter, Proj, ALL_PROJS};

@@ -2,7 +2,7 @@
 # The GPU check of infomem-engine's CUDA backend, in stages that fit a short GPU window.
 #
 # On the build machine (Rust + nvcc, no GPU needed; ~6 min on 2 cores):
-#   tools/gpu-check.sh build       CUDA release binary + the two CUDA test binaries -> gpu-bundle/
+#   tools/gpu-check.sh build       CUDA release binary + the CUDA parity test binary -> gpu-bundle/
 #                                  (gitignored, < 60 MB; carried to the GPU machine)
 #
 # On the GPU machine, from the repository root, with gpu-bundle/ beside the source tree.
@@ -77,11 +77,9 @@ for line in sys.stdin:
         print(m["executable"])
 ' "$1"
   }
-  local parity train_parity
+  local parity
   parity="$(exe cuda_parity)"
-  train_parity="$(exe cuda_train_parity)"
   [ -n "$parity" ] || die "cargo did not report the cuda_parity test executable"
-  [ -n "$train_parity" ] || die "cargo did not report the cuda_train_parity test executable"
   local bin="$CARGO_TARGET_DIR/release/infomem-engine"
   if grep -aqF 'nvcc was not found at build time' "$bin"; then
     die "the binary was built without kernels (nvcc not found): run tools/install-nvcc.sh first"
@@ -91,8 +89,7 @@ for line in sys.stdin:
   mkdir -p "$BUNDLE"
   cp "$bin" "$BUNDLE/infomem-engine"
   cp "$parity" "$BUNDLE/cuda_parity"
-  cp "$train_parity" "$BUNDLE/cuda_train_parity"
-  if command -v strip >/dev/null; then strip --strip-debug "$BUNDLE/infomem-engine" "$BUNDLE/cuda_parity" "$BUNDLE/cuda_train_parity"; fi
+  if command -v strip >/dev/null; then strip --strip-debug "$BUNDLE/infomem-engine" "$BUNDLE/cuda_parity"; fi
   # the tests find tests/fixtures through the absolute path they were built in
   printf '%s\n' "$ROOT" > "$BUNDLE/manifest_dir"
   git rev-parse HEAD > "$BUNDLE/commit" 2>/dev/null || echo unknown > "$BUNDLE/commit"
@@ -183,7 +180,7 @@ PYEOF
 # The GPU machine: a visible GPU (exit 3 with a clear line otherwise), the bundle, cuBLAS on
 # LD_LIBRARY_PATH, the tests' fixture path.
 gpu_env() {
-  [ -x "$BUNDLE/infomem-engine" ] && [ -x "$BUNDLE/cuda_parity" ] && [ -x "$BUNDLE/cuda_train_parity" ] \
+  [ -x "$BUNDLE/infomem-engine" ] && [ -x "$BUNDLE/cuda_parity" ] \
     || die "no complete gpu-bundle/ here: run 'tools/gpu-check.sh build' on the build machine and carry gpu-bundle/"
   if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu-check: no GPU visible (nvidia-smi lists no device): nothing to check here; stopping." | tee "$OUT/summary.md" >&2
@@ -228,34 +225,31 @@ contact() {
   local BIN="$BUNDLE/infomem-engine"
   STEP_STDOUT="$OUT/device.json" step device 60 "$BIN" device --json
 
-  local status=0 suite
-  for suite in cuda_parity cuda_train_parity; do
-    step "list:$suite" 20 "$BUNDLE/$suite" --list
-    # one process for the suite (the fast path), one thread, the tests' measurements shown
-    step "parity:$suite" 150 env INFOMEM_REQUIRE_CUDA=1 RUST_BACKTRACE=1 "$BUNDLE/$suite" --test-threads=1 --show-output || status=1
-  done
+  local status=0 suite=cuda_parity
+  step "list:$suite" 20 "$BUNDLE/$suite" --list
+  # one process for every family's tests, inference and training (the fast path), one thread,
+  # the tests' measurements shown
+  step "parity:$suite" 200 env INFOMEM_REQUIRE_CUDA=1 RUST_BACKTRACE=1 "$BUNDLE/$suite" --test-threads=1 --show-output || status=1
   # a failure (or a crash) poisons the process's CUDA context: rerun what did not pass, each
   # alone, to tell real failures from collateral ones
-  for suite in cuda_parity cuda_train_parity; do
-    local t
-    for t in $(python3 "$SUMMARY" failed-tests "$OUT" "parity:$suite" 2>/dev/null | head -n 12); do
-      step "rerun:$suite:$t" 60 env INFOMEM_REQUIRE_CUDA=1 RUST_BACKTRACE=1 "$BUNDLE/$suite" "$t" --exact --test-threads=1 --show-output
-    done
+  local t
+  for t in $(python3 "$SUMMARY" failed-tests "$OUT" "parity:$suite" 2>/dev/null | head -n 12); do
+    step "rerun:$suite:$t" 60 env INFOMEM_REQUIRE_CUDA=1 RUST_BACKTRACE=1 "$BUNDLE/$suite" "$t" --exact --test-threads=1 --show-output
   done
   # compute-sanitizer on the attention kernels (paged: inference; dense: training), head_dim 64
   # and 128 only (INFOMEM_SANITIZER=1: racecheck slows shared-memory kernels by orders of magnitude)
   if command -v compute-sanitizer >/dev/null 2>&1; then
     local tool
     for tool in memcheck racecheck; do
-      step "$tool:paged_attention_mixed_batch" 45 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-        "$BUNDLE/cuda_parity" paged_attention_mixed_batch --exact --test-threads=1
-      step "$tool:dense_attention_forward_and_backward" 45 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-        "$BUNDLE/cuda_train_parity" dense_attention_forward_and_backward --exact --test-threads=1
+      step "$tool:attention::paged_attention_mixed_batch" 45 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        "$BUNDLE/cuda_parity" attention::paged_attention_mixed_batch --exact --test-threads=1
+      step "$tool:attention_dense::dense_attention_forward_and_backward" 45 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        "$BUNDLE/cuda_parity" attention_dense::dense_attention_forward_and_backward --exact --test-threads=1
     done
   fi
   # the plain-allocation fallback on real hardware: the device report and a whole-model test
   step "plain-alloc" 60 env INFOMEM_CUDA_ALLOC=plain INFOMEM_REQUIRE_CUDA=1 sh -c \
-    '"$1" device && "$2" tiny_models_generate_and_score --exact --test-threads=1' _ "$BIN" "$BUNDLE/cuda_parity"
+    '"$1" device && "$2" model::tiny_models_generate_and_score device::plain_allocator_matches_the_default --test-threads=1' _ "$BIN" "$BUNDLE/cuda_parity"
   finish
   return "$status"
 }

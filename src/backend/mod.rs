@@ -1,5 +1,27 @@
-//! The fixed set of ops this transformer needs, behind one small trait. The CPU backend computes
-//! in f32 on host memory; the CUDA backend stores bf16 on the device and accumulates in f32.
+//! The fixed set of ops this transformer needs, behind two small traits: `Backend` (inference:
+//! what a forward step, generation and scoring use) and `TrainBackend` (the LoRA backward and
+//! the optimizer on top of it). Two devices implement them: `cpu/` (f32 on host memory) and
+//! `cuda/` (bf16 storage, f32 accumulation, kernels/*.cu). Each device folder has one file per op
+//! family, named like the kernel file that implements the family on the GPU, holding the
+//! forward and backward of that family:
+//!
+//! | family | ops | CPU twin | CUDA launch | kernel |
+//! |---|---|---|---|---|
+//! | norm | rmsnorm, add_rmsnorm, add, rmsnorm_bwd | cpu/norm.rs | cuda/norm.rs | kernels/norm.cu |
+//! | rope | rope, rope_bwd | cpu/rope.rs | cuda/rope.rs | kernels/rope.cu |
+//! | swiglu | swiglu, swiglu_bwd | cpu/swiglu.rs | cuda/swiglu.rs | kernels/swiglu.cu |
+//! | memory | embed, gather_rows, scale_rows, scatter_add_rows, kv_store, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
+//! | attention | paged causal GQA attention (prefill, scoring, decode), KV cache | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
+//! | attention_dense | training attention forward (+ lse) and backward | cpu/attention_dense.rs | cuda/attention_dense.rs | kernels/attention_dense.cu |
+//! | matmul | matmul, lora, matmul_dx, lora_bwd, lora_merge | cpu/matmul.rs (+ gemm512.rs) | cuda/gemm.rs (cuBLASLt) | — |
+//! | logprob | logprobs, head_grad (vocabulary tiles, online softmax) | cpu/logprob.rs | cuda/logprob.rs | kernels/logprob.cu |
+//! | sample | sample | cpu/sample.rs | cuda/sample.rs | kernels/sample.cu |
+//! | optim | sum_squares, scale, accumulate, adamw | cpu/optim.rs | cuda/optim.rs | kernels/optim.cu |
+//!
+//! The parity test of a family is `tests/cuda_parity/<family>.rs` (CUDA against the CPU twin);
+//! the CPU twins are checked against PyTorch-computed fixtures by `tests/runtime_tiny.rs`,
+//! `tests/grpo_grad.rs` and `tests/smollm2.rs`.
+//!
 //! Bulk data lives in `Backend::Buf` (one flat array); small per-call metadata (token ids,
 //! positions, page tables, sampling parameters) is passed as host slices and moved by the backend.
 //!
@@ -8,8 +30,16 @@
 //!   `y = x Wᵀ (+ b)`;
 //! - the fused `qkv` activation holds q (`n_heads·hd`), then k, then v (`n_kv_heads·hd` each);
 //! - the fused `gate_up` activation holds gate (`inter`), then up (`inter`);
-//! - the paged KV cache is addressed by slot = page·page_size + offset (see `runtime::kv`).
+//! - the paged KV cache is addressed by slot = page·page_size + offset (see `runtime::kv`);
+//! - a *dense batch* (training) is sequences concatenated along the rows (`DenseSeq`: rows
+//!   `row0 .. row0 + len`, positions `0 .. len`); no KV cache, every sequence attends causally to
+//!   its own rows only;
+//! - `lse [rows, n_heads]`: log-sum-exp of the scaled scores of each query row and head, from the
+//!   training attention forward, so the backward recomputes probabilities without a `[T, T]` matrix;
+//! - gradients have the layout of the tensor they belong to (`dqkv` like `qkv`, `dA` like `A`).
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::model::config::ModelConfig;
 use anyhow::Result;
@@ -79,6 +109,58 @@ pub struct Sampled {
     pub logprob: f32,
 }
 
+/// One sequence of a dense batch: rows `row0 .. row0 + len`, at positions `0 .. len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DenseSeq {
+    pub row0: usize,
+    pub len: usize,
+}
+
+/// Per-row results of the fused head pass.
+#[derive(Clone, Debug, Default)]
+pub struct HeadOut {
+    /// `log softmax(h·headᵀ)[target]`
+    pub logprobs: Vec<f32>,
+    /// Entropy (nats) of the row's next-token distribution.
+    pub entropy: Vec<f32>,
+}
+
+/// One AdamW step (PyTorch's `torch.optim.AdamW` semantics: decoupled weight decay applied as
+/// `p ← p·(1 − lr·wd)` before the Adam update, bias-corrected moments).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step count (for the bias corrections).
+    pub step: u64,
+    /// Multiplies the gradient before use (gradient clipping, loss scaling); 1 = unchanged.
+    pub grad_scale: f32,
+}
+
+/// The per-step constants of an AdamW update, computed once on the host for every backend.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConstants {
+    /// `lr / (1 − β1^t)`: the bias-corrected step size.
+    pub step_size: f32,
+    /// `√(1 − β2^t)`: the second moment's bias correction, applied as `√v / bc2_sqrt`.
+    pub bc2_sqrt: f32,
+    /// `1 − lr·wd`: the decoupled weight decay factor.
+    pub decay: f32,
+}
+
+impl AdamWStep {
+    /// The bias corrections in f64, each rounded to f32 once (as PyTorch's AdamW computes them).
+    pub fn constants(&self) -> AdamWConstants {
+        let t = self.step.max(1) as i32;
+        let bc1 = 1.0 - (self.beta1 as f64).powi(t);
+        let bc2 = 1.0 - (self.beta2 as f64).powi(t);
+        AdamWConstants { step_size: (self.lr as f64 / bc1) as f32, bc2_sqrt: bc2.sqrt() as f32, decay: 1.0 - self.lr * self.weight_decay }
+    }
+}
+
 pub trait Backend: Send + Sync {
     /// A flat array on the backend's device.
     type Buf: Send + Sync;
@@ -128,6 +210,7 @@ pub trait Backend: Send + Sync {
     /// `out = x / rms(x) · w` per row of `d`.
     fn rmsnorm(&self, x: &Self::Buf, w: &Self::Buf, eps: f32, rows: usize, d: usize, out: &mut Self::Buf) -> Result<()>;
     /// `resid += delta; out = rmsnorm(resid) · w` (the residual add fused with the next norm).
+    #[allow(clippy::too_many_arguments)]
     fn add_rmsnorm(
         &self,
         resid: &mut Self::Buf,
@@ -141,6 +224,7 @@ pub trait Backend: Send + Sync {
     /// `resid += delta`.
     fn add(&self, resid: &mut Self::Buf, delta: &Self::Buf, n: usize) -> Result<()>;
     /// `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias[n])`.
+    #[allow(clippy::too_many_arguments)]
     fn matmul(&self, x: &Self::Buf, w: &Self::Buf, bias: Option<&Self::Buf>, m: usize, k: usize, n: usize, out: &mut Self::Buf) -> Result<()>;
     /// LoRA delta into a column slice of `out`: `out[:, col0..col0+n_out] += scale · (x Aᵀ) Bᵀ`,
     /// `x [m, k]`, `A [r, k]`, `B [n_out, r]`, `out` rows of `ld` — `B·A` is never formed.
@@ -163,6 +247,117 @@ pub trait Backend: Send + Sync {
     fn sample(&self, logits: &Self::Buf, vocab: usize, params: &[SampleParams], uniform: &[f64]) -> Result<Vec<Sampled>>;
 }
 
+/// The extra ops LoRA training needs on top of [`Backend`]: a dense attention forward that keeps
+/// the per-row log-sum-exp, the backward of every op of the transformer block (base weights,
+/// norms and embeddings frozen: only input gradients, plus dA/dB of the LoRA pairs), the fused
+/// head backward in vocabulary tiles, and the optimizer arithmetic (squared norms, scaling, AdamW).
+pub trait TrainBackend: Backend {
+    /// `dst = src` (same length).
+    fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
+
+    /// Bytes the backward may spend keeping layers' activations (and merged weights) from the
+    /// forward instead of recomputing them, besides the `working_set` bytes the pass allocates
+    /// with every layer recomputed. 0 (the default) recomputes every layer. Gradients are
+    /// bit-identical either way; `INFOMEM_KEEP_ACTIVATIONS_MB` overrides every backend's choice.
+    fn keep_activation_bytes(&self, working_set: usize) -> Result<usize> {
+        let _ = working_set;
+        Ok(keep_override()?.unwrap_or(0))
+    }
+
+    // ---- forward ----
+    /// Fold a LoRA pair into (a copy of) a frozen weight: `w[row0 + o, :] += scale · Σ_j b[o, j]·a[j, :]`
+    /// for `o < n_out`; `w` rows of `k`, `a [r, k]`, `b [n_out, r]`. The training passes run on
+    /// these merged weights (`y = x (W + scale·B A)ᵀ`, `dx = dy (W + scale·B A)`), which costs one
+    /// small GEMM per layer instead of thin rank-r GEMMs over every row of the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_merge(&self, w: &mut Self::Buf, row0: usize, a: &Self::Buf, b: &Self::Buf, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()>;
+    /// Causal GQA attention over a dense batch: `qkv [rows, qkv_dim]` (q and k already rotated)
+    /// → `out [rows, q_dim]` and `lse [rows, n_heads]` (natural log of Σ exp of the scaled scores,
+    /// `1/sqrt(head_dim)` scaling). Only a tile of scores exists at a time.
+    fn attn_dense(&self, qkv: &Self::Buf, seqs: &[DenseSeq], geom: AttnGeom, out: &mut Self::Buf, lse: &mut Self::Buf) -> Result<()>;
+
+    // ---- backward ----
+    /// Backward of `attn_dense`: given its inputs/outputs and `dout [rows, q_dim]`, overwrite
+    /// `dqkv [rows, qkv_dim]` (every row of `seqs`) with dq, dk, dv (w.r.t. the rotated q, k).
+    /// dk/dv of a kv head sum the contributions of all query heads of its group.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_dense_bwd(
+        &self,
+        qkv: &Self::Buf,
+        out: &Self::Buf,
+        dout: &Self::Buf,
+        lse: &Self::Buf,
+        seqs: &[DenseSeq],
+        geom: AttnGeom,
+        dqkv: &mut Self::Buf,
+    ) -> Result<()>;
+    /// Backward of `rmsnorm` w.r.t. its input (the weight is frozen): `dx (+)= ∂(x/rms(x)·w)/∂x ᵀ dy`,
+    /// rows of `d`; accumulates into `dx` when `accumulate`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_bwd(&self, x: &Self::Buf, w: &Self::Buf, dy: &Self::Buf, eps: f32, rows: usize, d: usize, dx: &mut Self::Buf, accumulate: bool) -> Result<()>;
+    /// Backward of `rope`: the inverse rotation of the q and k parts of `dqkv` in place (v untouched).
+    fn rope_bwd(&self, dqkv: &mut Self::Buf, positions: &[u32], inv_freq: &[f32], geom: AttnGeom) -> Result<()>;
+    /// Backward of `swiglu`: `dgate_up [m, 2i]` (overwritten) from `gate_up [m, 2i]` and `dact [m, i]`.
+    fn swiglu_bwd(&self, gate_up: &Self::Buf, dact: &Self::Buf, m: usize, i: usize, dgate_up: &mut Self::Buf) -> Result<()>;
+    /// Input gradient of a frozen projection `y = x wᵀ`: `dx[m, k] (+)= dy[m, n] · w[n, k]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dx(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, accumulate: bool) -> Result<()>;
+    /// Backward of `Backend::lora` (`y[:, col0..col0+n_out] += scale·(x Aᵀ) Bᵀ`, `y` rows of `ld`):
+    /// with `dy` the gradient of the whole `y` (rows of `ld`), accumulate
+    /// `dA [r, k] += scale·(dy_s B)ᵀ x`, `dB [n_out, r] += scale·dy_sᵀ (x Aᵀ)` and, when given,
+    /// `dx [m, k] += scale·(dy_s B) A`, where `dy_s` is the column slice.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_bwd(
+        &self,
+        x: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        scale: f32,
+        m: usize,
+        k: usize,
+        r: usize,
+        n_out: usize,
+        dy: &Self::Buf,
+        col0: usize,
+        ld: usize,
+        da: &mut Self::Buf,
+        db: &mut Self::Buf,
+        dx: Option<&mut Self::Buf>,
+    ) -> Result<()>;
+    /// The fused head pass of training, in vocabulary tiles with an online softmax (never a
+    /// `[rows, vocab]` matrix): per row of `h [rows, d]`, the log-probability of `targets[row]`,
+    /// the entropy, and `g [rows, d] = Σ_v p_v head_v − head_target`, the gradient of
+    /// `log p(target)` w.r.t. `h` with the sign flipped (`∂logp/∂h = −g`).
+    fn head_grad(&self, h: &Self::Buf, head: &Self::Buf, targets: &[u32], d: usize, vocab: usize, g: &mut Self::Buf) -> Result<HeadOut>;
+    /// `x[row] *= coef[row]`, rows of `d`.
+    fn scale_rows(&self, x: &mut Self::Buf, coef: &[f32], d: usize) -> Result<()>;
+    /// `dst[rows[i]] += src[i]`, rows of `d` (`rows` distinct).
+    fn scatter_add_rows(&self, src: &Self::Buf, rows: &[u32], d: usize, dst: &mut Self::Buf) -> Result<()>;
+
+    // ---- optimizer arithmetic ----
+    /// `Σ x²`, accumulated in f64.
+    fn sum_squares(&self, x: &Self::Buf) -> Result<f64>;
+    /// `x *= s`.
+    fn scale(&self, x: &mut Self::Buf, s: f32) -> Result<()>;
+    /// `acc += x` (same length).
+    fn accumulate(&self, acc: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
+    /// One AdamW update of parameters `p` with gradient `g` and moments `m`, `v` (same length).
+    fn adamw(&self, p: &mut Self::Buf, g: &Self::Buf, m: &mut Self::Buf, v: &mut Self::Buf, h: AdamWStep) -> Result<()>;
+}
+
+/// `INFOMEM_KEEP_ACTIVATIONS_MB` in bytes, if set (a malformed value is an error, never a
+/// silent default).
+pub fn keep_override() -> Result<Option<usize>> {
+    match std::env::var("INFOMEM_KEEP_ACTIVATIONS_MB") {
+        Ok(v) => {
+            let mb: usize = v.trim().parse().map_err(|_| anyhow::anyhow!("INFOMEM_KEEP_ACTIVATIONS_MB={v:?} is not a whole number of MiB (0 recomputes every layer)"))?;
+            let bytes = mb.checked_mul(1 << 20).ok_or_else(|| anyhow::anyhow!("INFOMEM_KEEP_ACTIVATIONS_MB={v:?} is too large"))?;
+            Ok(Some(bytes))
+        }
+        Err(_) => Ok(None),
+    }
+}
+
 /// Run `f` and return its result with its duration in seconds as the device sees it: `sync`
 /// (the backend's `synchronize`) runs before the clock starts, so earlier enqueued work is not
 /// counted, and before it stops, so work `f` only enqueued is — PyTorch's benchmarks time the
@@ -175,9 +370,6 @@ pub fn timed<T>(sync: impl Fn() -> Result<()>, f: impl FnOnce() -> Result<T>) ->
     Ok((out, t.elapsed().as_secs_f64()))
 }
 
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod train;
 
 #[cfg(test)]
 mod tests {

@@ -93,7 +93,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 fn train_fit<B: Backend + 'static>(model: &Model<B>, a: &BenchArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
-        use infomem_engine::backend::cuda::{memory::TrainMemPlan, CudaBackend};
+        use infomem_engine::backend::cuda::{footprint::TrainMemPlan, CudaBackend};
         if let Some(be) = (&model.be as &dyn std::any::Any).downcast_ref::<CudaBackend>() {
             let rows = a.batch.unwrap_or(8) * a.seq_len.unwrap_or(512);
             let lora = model.lora.as_ref().map(|l| (l.host.r, l.layers.iter().flatten().flatten().count())).unwrap_or((16, 7 * model.cfg.n_layers));

@@ -213,10 +213,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
 }
 
 /// Refuse, before the first step, a run whose rollout KV cache or update pass cannot fit next to
-/// the weights, naming the settings that would (backend::cuda::memory).
+/// the weights, naming the settings that would (backend::cuda::footprint).
 #[cfg(feature = "cuda")]
 fn cuda_fit(model: &Model<infomem_engine::backend::cuda::CudaBackend>, c: &TrainConfig) -> Result<()> {
-    use infomem_engine::backend::cuda::memory::TrainMemPlan;
+    use infomem_engine::backend::cuda::footprint::TrainMemPlan;
     // the KV budget of one step, as Trainer::one_step sizes it
     let per_query = (c.group_size + 3) * (600 + 2 * c.chunk_tokens + c.memory_tokens + c.answer_tokens);
     // the longest single conversation (template + question + chunk + old and new memory) is a

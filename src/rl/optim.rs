@@ -1,7 +1,7 @@
 //! AdamW on the LoRA adapter, with global gradient-norm clipping (PyTorch's
 //! `clip_grad_norm_` + `torch.optim.AdamW`). The update runs on the backend's parameter buffers;
 //! the adapter's host copy (the master for export and checkpoints) is refreshed afterwards.
-use crate::backend::train::{AdamWStep, TrainBackend};
+use crate::backend::{AdamWStep, TrainBackend};
 use crate::backend::Backend;
 use crate::model::lora::ALL_PROJS;
 use crate::runtime::backward::LoraGrads;

@@ -28,7 +28,7 @@
 //! The loss is supplied by the caller as a function of the response tokens' log-probabilities
 //! (and entropies) returning `∂loss/∂logp` per token (`rl::grpo` builds the GRPO one on this).
 use super::model::Model;
-use crate::backend::train::{DenseSeq, TrainBackend};
+use crate::backend::{DenseSeq, TrainBackend};
 use crate::backend::Backend;
 use crate::model::lora::{Proj, ALL_PROJS};
 use crate::model::weights::HostTensor;
@@ -424,7 +424,7 @@ pub fn policy_grads<B: TrainBackend, S>(
 /// f32 elements `policy_grads` allocates per row of its batch when every layer is recomputed:
 /// the saved input residual of every layer, the residual stream, one layer's intermediates
 /// (`Acts`), their gradients, and the head pass's rows (at most one per row). The CUDA memory
-/// plan adds its scratch to this (`backend::cuda::memory::update_bytes_per_row`).
+/// plan adds its scratch to this (`backend::cuda::footprint::update_bytes_per_row`).
 pub fn update_f32s_per_row(cfg: &crate::model::config::ModelConfig) -> usize {
     let (d, l, i, nh) = (cfg.hidden, cfg.n_layers, cfg.intermediate, cfg.n_heads);
     let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());

@@ -1,4 +1,4 @@
-//! Shared by the CUDA parity tests (tests/cuda_parity.rs, tests/cuda_train_parity.rs): the
+//! Shared by the CUDA parity tests (tests/cuda_parity/): the
 //! device (or a visible skip), bf16-rounded random inputs, and element/row bounds.
 #![allow(dead_code, unused_macros)]
 use infomem_engine::backend::cuda::{self, CudaBackend};

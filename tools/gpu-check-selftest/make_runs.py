@@ -15,13 +15,16 @@ for d in os.listdir(root):
     if os.path.isdir(os.path.join(root, d)):
         shutil.rmtree(os.path.join(root, d))
 
-P = ["logprobs_over_vocab_tiles", "matmul_bias_and_lora", "paged_attention_mixed_batch", "qwen2_half_b_layer_batched",
-     "rmsnorm_and_residual_add", "rope_on_fused_qkv", "sampling_matches_cpu_token_for_token", "swiglu_gather_embed",
-     "tiny_models_generate_and_score"]
-T = ["dense_attention_forward_and_backward", "fixture_lora_gradients_match_cpu", "head_grad_over_vocab_tiles",
-     "memory_plan_says_what_fits", "projections_lora_backward_and_merge", "qwen2_half_b_lora_gradients_and_step_match_cpu",
-     "rmsnorm_backward", "rope_backward_inverts_the_rotation", "rows_reductions_and_adamw", "swiglu_backward",
-     "whole_model_bounds_hold_for_the_device_rounding_model"]
+# the suite's tests (`cuda_parity --list`), one module per op family
+TESTS = """attention::paged_attention_mixed_batch attention_dense::dense_attention_forward_and_backward
+device::plain_allocator_matches_the_default footprint::memory_plan_says_what_fits gemm::matmul_bias_and_lora
+gemm::projections_lora_backward_and_merge logprob::head_grad_over_vocab_tiles logprob::logprobs_over_vocab_tiles
+memory::embed_and_gather_rows memory::scale_and_scatter_add_rows model::qwen2_half_b_layer_batched
+model::tiny_models_generate_and_score model_train::fixture_lora_gradients_match_cpu
+model_train::qwen2_half_b_lora_gradients_and_step_match_cpu model_train::whole_model_bounds_hold_for_the_device_rounding_model
+norm::rmsnorm_and_residual_add norm::rmsnorm_backward optim::reductions_scale_and_adamw rope::rope_backward_inverts_the_rotation
+rope::rope_on_fused_qkv sample::sampling_matches_cpu_token_for_token swiglu::swiglu_backward swiglu::swiglu_forward""".split()
+N = len(TESTS)
 
 class Run:
     def __init__(self, name, stage, expect):
@@ -68,7 +71,7 @@ DEVICE = {"device": "NVIDIA H200", "compute_capability": "9.0", "multiprocessors
           "libcublasLt": "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcublasLt.so.13",
           "memory_total_gib": 139.8, "memory_free_gib": 139.2, "allocator": "pool",
           "allocator_detail": "stream-ordered pool (cuMemAllocAsync, freed memory kept by the pool)",
-          "kernels_nvcc": "Cuda compilation tools, release 13.0, V13.0.88", "kernel_modules": 14, "kernels": 70}
+          "kernels_nvcc": "Cuda compilation tools, release 13.0, V13.0.88", "kernel_modules": 9, "kernels": 70}
 
 def san(tool, errors):
     if tool == "memcheck":
@@ -82,61 +85,52 @@ def san(tool, errors):
     return body + f"========= RACECHECK SUMMARY: {errors} hazards displayed (0 errors, {errors} warnings)\n"
 
 # ---- contact: everything passes
-r = Run("contact-pass", "contact", {"contains": ["PASS: 20 of 20 parity tests", "NVIDIA H200", "libcublasLt.so.13", "| allocator | pool |",
-        "| memcheck | paged_attention_mixed_batch | clean |", "| racecheck | dense_attention_forward_and_backward | clean |", "**20 of 20 passed**"],
-        "absent": ["FAIL", "INCOMPLETE"], "failed_tests": {"parity:cuda_parity": [], "parity:cuda_train_parity": []}})
+PAGED, DENSE = "attention::paged_attention_mixed_batch", "attention_dense::dense_attention_forward_and_backward"
+r = Run("contact-pass", "contact", {"contains": [f"PASS: {N} of {N} parity tests", "NVIDIA H200", "libcublasLt.so.13", "| allocator | pool |",
+        f"| memcheck | {PAGED} | clean |", f"| racecheck | {DENSE} | clean |", f"**{N} of {N} passed**"],
+        "absent": ["FAIL", "INCOMPLETE"], "failed_tests": {"parity:cuda_parity": []}})
 r.meta(tools={"compute-sanitizer": "Version 2025.3.1.0 (build 36398583) (public-release)"})
 r.file("device.json", json.dumps(DEVICE) + "\n")
 r.step("device", 60, json.dumps(DEVICE) + "\n", secs=2)
-r.step("list:cuda_parity", 20, listing(P), secs=0)
-r.step("parity:cuda_parity", 150, suite_ok(P, extra={"paged_attention_mixed_batch": "attention hd64: max |Δ| 3.1e-3\n"}), secs=41)
-r.step("list:cuda_train_parity", 20, listing(T), secs=0)
-r.step("parity:cuda_train_parity", 150, suite_ok(T), secs=37)
-r.step("memcheck:paged_attention_mixed_batch", 45, san("memcheck", 0), secs=20)
-r.step("memcheck:dense_attention_forward_and_backward", 45, san("memcheck", 0).replace("paged_attention_mixed_batch", "dense_attention_forward_and_backward"), secs=18)
-r.step("racecheck:paged_attention_mixed_batch", 45, san("racecheck", 0).replace("dense_attention_forward_and_backward", "paged_attention_mixed_batch"), secs=30)
-r.step("racecheck:dense_attention_forward_and_backward", 45, san("racecheck", 0), secs=31)
-r.step("plain-alloc", 60, "allocator: plain\n" + suite_ok(["tiny_models_generate_and_score"]), secs=4)
+r.step("list:cuda_parity", 20, listing(TESTS), secs=0)
+r.step("parity:cuda_parity", 200, suite_ok(TESTS, extra={PAGED: "attention hd64: max |Δ| 3.1e-3\n"}), secs=78)
+r.step(f"memcheck:{PAGED}", 45, san("memcheck", 0).replace("paged_attention_mixed_batch", PAGED), secs=20)
+r.step(f"memcheck:{DENSE}", 45, san("memcheck", 0).replace("test paged_attention_mixed_batch", "test " + DENSE), secs=18)
+r.step(f"racecheck:{PAGED}", 45, san("racecheck", 0).replace("dense_attention_forward_and_backward", PAGED), secs=30)
+r.step(f"racecheck:{DENSE}", 45, san("racecheck", 0).replace("dense_attention_forward_and_backward", DENSE), secs=31)
+r.step("plain-alloc", 60, "allocator: plain\n" + suite_ok(["device::plain_allocator_matches_the_default", "model::tiny_models_generate_and_score"]), secs=4)
 r.close()
 
-# ---- contact: a kernel fault poisons the context; the training suite crashes mid-run; memcheck finds it
-r = Run("contact-fail", "contact", {"contains": ["FAIL: 2 of 20 parity tests failed", "compute-sanitizer findings in memcheck:paged_attention_mixed_batch",
+# ---- contact: a kernel fault poisons the context (the next tests fail with it), then a crash
+# ends the process before the rest; memcheck finds the fault; the budget runs out
+r = Run("contact-fail", "contact", {"contains": [f"FAIL: 2 of {N} parity tests failed", f"compute-sanitizer findings in memcheck:{PAGED}",
         "passed when run alone: collateral", "attention hd64: element 77: got nan want 0.25", "**1 error**", "Invalid __global__ read",
-        "did not finish or were not reached", "`racecheck:paged_attention_mixed_batch`: skipped"],
+        "did not finish or were not reached", f"`racecheck:{PAGED}`: skipped", "killed by signal 11"],
         "absent": ["PASS"],
-        "failed_tests": {"parity:cuda_parity": ["paged_attention_mixed_batch", "qwen2_half_b_layer_batched", "rmsnorm_and_residual_add"],
-                         "parity:cuda_train_parity": ["projections_lora_backward_and_merge", "qwen2_half_b_lora_gradients_and_step_match_cpu", "rmsnorm_backward",
-                                                      "rope_backward_inverts_the_rotation", "rows_reductions_and_adamw", "swiglu_backward",
-                                                      "whole_model_bounds_hold_for_the_device_rounding_model"]}})
+        "failed_tests": {"parity:cuda_parity": TESTS[:3] + TESTS[12:]}})
 r.meta(tools={"compute-sanitizer": "Version 2025.3.1.0"})
 r.file("device.json", json.dumps(DEVICE) + "\n")
 r.step("device", 60, json.dumps(DEVICE) + "\n", secs=2)
-r.step("list:cuda_parity", 20, listing(P), secs=0)
-out = "\nrunning 9 tests\ntest logprobs_over_vocab_tiles ... ok\ntest matmul_bias_and_lora ... ok\ntest paged_attention_mixed_batch ... FAILED\n"
-out += "test qwen2_half_b_layer_batched ... FAILED\ntest rmsnorm_and_residual_add ... FAILED\n"
-out += "".join(f"test {t} ... ok\n" for t in P[5:])
-out += ("\nfailures:\n\n---- paged_attention_mixed_batch stdout ----\n\nthread 'paged_attention_mixed_batch' panicked at tests/cuda_parity.rs:210:9:\n"
-        "attention hd64: element 77: got nan want 0.25 (bound 0.045 + 0.00390625·|want|)\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n\n"
-        "---- qwen2_half_b_layer_batched stdout ----\n\nthread 'qwen2_half_b_layer_batched' panicked at tests/cuda_parity.rs:420:40:\n"
-        "called `Result::unwrap()` on an `Err` value: cuda: stream synchronize (an earlier kernel may have failed) failed: DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access was encountered\")\n\n"
-        "---- rmsnorm_and_residual_add stdout ----\n\nthread 'rmsnorm_and_residual_add' panicked at tests/cuda_parity.rs:35:60:\n"
-        "called `Result::unwrap()` on an `Err` value: cuda: binding the CUDA context (or an earlier asynchronous error) failed: DriverError(CUDA_ERROR_ILLEGAL_ADDRESS)\n\n"
-        "failures:\n    paged_attention_mixed_batch\n    qwen2_half_b_layer_batched\n    rmsnorm_and_residual_add\n\n"
-        "test result: FAILED. 6 passed; 3 failed; 0 ignored; 0 measured; 0 filtered out; finished in 30.1s\n\n")
-r.step("parity:cuda_parity", 150, out, rc=101, secs=30)
-r.step("list:cuda_train_parity", 20, listing(T), secs=0)
-out = "\nrunning 11 tests\n" + "".join(f"test {t} ... ok\n" for t in T[:4]) + "test projections_lora_backward_and_merge ... Segmentation fault (core dumped)\n"
-r.step("parity:cuda_train_parity", 150, out, rc=139, secs=12)
-r.step("rerun:cuda_parity:paged_attention_mixed_batch", 60, "\nrunning 1 test\ntest paged_attention_mixed_batch ... FAILED\n\nfailures:\n\n---- paged_attention_mixed_batch stdout ----\n\nthread 'paged_attention_mixed_batch' panicked at tests/cuda_parity.rs:210:9:\nattention hd64: element 77: got nan want 0.25 (bound 0.045 + 0.00390625·|want|)\n\nfailures:\n    paged_attention_mixed_batch\n\ntest result: FAILED. 0 passed; 1 failed\n", rc=101, secs=3)
-r.step("rerun:cuda_parity:qwen2_half_b_layer_batched", 60, suite_ok(["qwen2_half_b_layer_batched"]), secs=6)
-r.step("rerun:cuda_parity:rmsnorm_and_residual_add", 60, suite_ok(["rmsnorm_and_residual_add"]), secs=2)
-r.step("rerun:cuda_train_parity:projections_lora_backward_and_merge", 60, "\nrunning 1 test\ntest projections_lora_backward_and_merge ... Segmentation fault (core dumped)\n", rc=139, secs=3)
-for t in T[5:]:
-    r.step(f"rerun:cuda_train_parity:{t}", 60, suite_ok([t]), secs=3)
-r.step("memcheck:paged_attention_mixed_batch", 45, san("memcheck", 1), rc=1, secs=25)
-r.step("memcheck:dense_attention_forward_and_backward", 45, "========= COMPUTE-SANITIZER\n", end=False, secs=45)
-r.steps.append({"event": "end", "step": "memcheck:dense_attention_forward_and_backward", "t": r.t, "rc": 124, "secs": 45})
-r.step("racecheck:paged_attention_mixed_batch", 45, "", skip="the stage's time budget is spent")
+r.step("list:cuda_parity", 20, listing(TESTS), secs=0)
+fault = ("thread '{t}' panicked at tests/cuda_parity/{f}.rs:40:60:\ncalled `Result::unwrap()` on an `Err` value: cuda: stream synchronize "
+         "(an earlier kernel may have failed) failed: DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access was encountered\")\n")
+out = f"\nrunning {N} tests\ntest {PAGED} ... FAILED\ntest {DENSE} ... FAILED\ntest {TESTS[2]} ... FAILED\n"
+out += "".join(f"test {t} ... ok\n" for t in TESTS[3:12])
+out += f"test {TESTS[12]} ... Segmentation fault (core dumped)\n"
+first = ("\nfailures:\n\n---- " + PAGED + " stdout ----\n\nthread '" + PAGED + "' panicked at tests/cuda_parity/attention.rs:60:9:\n"
+         "attention hd64: element 77: got nan want 0.25 (bound 0.045 + 0.00390625·|want|)\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n\n")
+out += first
+r.step("parity:cuda_parity", 200, out, rc=139, secs=30)
+r.step(f"rerun:cuda_parity:{PAGED}", 60, "\nrunning 1 test\ntest " + PAGED + " ... FAILED\n" + first + "failures:\n    " + PAGED + "\n\ntest result: FAILED. 0 passed; 1 failed\n", rc=101, secs=3)
+r.step(f"rerun:cuda_parity:{DENSE}", 60, suite_ok([DENSE]), secs=6)
+r.step(f"rerun:cuda_parity:{TESTS[2]}", 60, suite_ok([TESTS[2]]), secs=2)
+r.step(f"rerun:cuda_parity:{TESTS[12]}", 60, f"\nrunning 1 test\ntest {TESTS[12]} ... Segmentation fault (core dumped)\n", rc=139, secs=3)
+for t in TESTS[13:]:
+    r.step(f"rerun:cuda_parity:{t}", 60, suite_ok([t]), secs=3)
+r.step(f"memcheck:{PAGED}", 45, san("memcheck", 1).replace("paged_attention_mixed_batch", PAGED), rc=1, secs=25)
+r.step(f"memcheck:{DENSE}", 45, "========= COMPUTE-SANITIZER\n", end=False, secs=45)
+r.steps.append({"event": "end", "step": f"memcheck:{DENSE}", "t": r.t, "rc": 124, "secs": 45})
+r.step(f"racecheck:{PAGED}", 45, "", skip="the stage's time budget is spent")
 r.close()
 
 # ---- bench: both sides succeed on 0.5B; the 3B shape runs out of time

@@ -145,7 +145,7 @@ pub fn attention(kv: &CpuKv, layer: usize, qkv: &[f32], seqs: &[AttnSeq], out: &
         // Kᵀ [hd, n], row-major: the score GEMM then packs its B panels by plain row copies
         // instead of a strided transpose per query block.
         // Safety: vbuf holds n rows of hd, kbuf hd rows of n; distinct buffers.
-        unsafe { super::ops::transpose(vbuf.as_ptr(), hd, n, hd, kbuf.as_mut_ptr(), n) };
+        unsafe { super::memory::transpose(vbuf.as_ptr(), hd, n, hd, kbuf.as_mut_ptr(), n) };
         kv.gather(layer, 1, kvh, s.pages, n, &mut vbuf);
         let first_pos = n - s.n_q; // position of the first query row
         // The group's query heads share K and V: stack their rows so each block is one GEMM of

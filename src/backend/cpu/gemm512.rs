@@ -29,11 +29,9 @@ const NR: usize = 32;
 /// Columns per packed B block: 1024 × kc floats stays within L2 + L3 share and amortizes packing.
 const NC: usize = 1024;
 
-/// Whether this machine runs the kernel (AVX-512F), detected once.
+/// Whether this machine runs the kernel (AVX-512F).
 pub fn available() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    super::simd::has_avx512f()
 }
 
 /// The depth of one k block: all of `k` up to 640 (a 12-row strip of A is then ≤ 30 KB, in L1),

@@ -1,12 +1,22 @@
-//! Teacher-forced log-probabilities without `[rows, vocab]` logits: the vocabulary is cut into
-//! tiles; each tile's logits `[rows, tile]` are computed, folded into a per-row running
-//! (max, Σexp) and the target's logit picked out, then dropped. Tiles run in parallel and their
-//! partial log-sum-exps are merged at the end.
-use super::matmul::matmul_serial;
+//! The LM head on the CPU without `[rows, vocab]` logits (twin of kernels/logprob.cu, launched by
+//! src/backend/cuda/logprob.rs):
+//! - `logprobs` (scoring): the vocabulary is cut into tiles; each tile's logits `[rows, tile]`
+//!   are computed, folded into a per-row running (max, Σexp) and the target's logit picked out,
+//!   then dropped. Tiles run in parallel and their partial log-sum-exps are merged at the end.
+//! - `head_grad` (training): the vocabulary in tiles with an online softmax that also carries
+//!   `Σ_v exp(l_v − m)·head_v` (rescaled when the running max moves), so `E_p[head]`, the
+//!   log-probability and the entropy come out of one pass of two GEMMs per tile.
+use super::matmul::{gemm_raw, matmul_serial};
+use super::simd::exp_sub_sum_dot;
+use crate::backend::HeadOut;
 use rayon::prelude::*;
 
 const VOCAB_TILE: usize = 2048;
 const ROW_BLOCK: usize = 256;
+/// Vocabulary entries per tile of the head backward.
+const GRAD_VOCAB_TILE: usize = 1024;
+/// At most this many rows per head-backward task.
+const GRAD_ROWS: usize = 256;
 
 /// Per-row statistics of one vocabulary tile.
 struct TileStats {
@@ -61,6 +71,78 @@ fn block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize) -> Ve
             target_logit[r] - m - s.ln() as f32
         })
         .collect()
+}
+
+/// See `TrainBackend::head_grad`.
+pub fn head_grad(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize, g: &mut [f32]) -> HeadOut {
+    let rows = targets.len();
+    let mut out = HeadOut { logprobs: vec![0.0; rows], entropy: vec![0.0; rows] };
+    if rows == 0 {
+        return out;
+    }
+    let per = rows.div_ceil(rayon::current_num_threads().max(1)).clamp(1, GRAD_ROWS);
+    g[..rows * d]
+        .par_chunks_mut(per * d)
+        .zip(h[..rows * d].par_chunks(per * d))
+        .zip(targets.par_chunks(per))
+        .zip(out.logprobs.par_chunks_mut(per).zip(out.entropy.par_chunks_mut(per)))
+        .for_each(|(((gb, hb), tb), (lpb, entb))| head_block(hb, head, tb, d, vocab, gb, lpb, entb));
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn head_block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize, acc: &mut [f32], logp: &mut [f32], ent: &mut [f32]) {
+    let rows = targets.len();
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut s = vec![0f32; rows];
+    let mut el = vec![0f32; rows];
+    let mut tl = vec![f32::NAN; rows];
+    acc.fill(0.0);
+    let mut logits = vec![0f32; rows * GRAD_VOCAB_TILE.min(vocab)];
+    let mut v0 = 0;
+    while v0 < vocab {
+        let vn = GRAD_VOCAB_TILE.min(vocab - v0);
+        let lg = &mut logits[..rows * vn];
+        let wt = &head[v0 * d..(v0 + vn) * d];
+        // Safety: extents are rows×d, vn×d and rows×vn.
+        unsafe {
+            gemm_raw(rows, vn, d, lg.as_mut_ptr(), vn as isize, 1, false, h.as_ptr(), d as isize, 1, wt.as_ptr(), 1, d as isize, 1.0, false);
+        }
+        for r in 0..rows {
+            let row = &mut lg[r * vn..(r + 1) * vn];
+            let t = targets[r] as usize;
+            if (v0..v0 + vn).contains(&t) {
+                tl[r] = row[t - v0];
+            }
+            let tm = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if tm > m[r] {
+                let alpha = (m[r] - tm).exp();
+                s[r] *= alpha;
+                el[r] *= alpha;
+                acc[r * d..(r + 1) * d].iter_mut().for_each(|v| *v *= alpha);
+                m[r] = tm;
+            }
+            let (ps, pl) = exp_sub_sum_dot(row, m[r]);
+            s[r] += ps;
+            el[r] += pl;
+        }
+        // acc += P · W_tile
+        unsafe {
+            gemm_raw(rows, d, vn, acc.as_mut_ptr(), d as isize, 1, true, lg.as_ptr(), vn as isize, 1, wt.as_ptr(), d as isize, 1, 1.0, false);
+        }
+        v0 += vn;
+    }
+    for r in 0..rows {
+        let lse = m[r] + s[r].ln();
+        logp[r] = tl[r] - lse;
+        ent[r] = lse - el[r] / s[r];
+        let inv = 1.0 / s[r];
+        let t = targets[r] as usize;
+        let wt = &head[t * d..(t + 1) * d];
+        for (a, &w) in acc[r * d..(r + 1) * d].iter_mut().zip(wt) {
+            *a = *a * inv - w;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,54 @@
-//! Vectorized inner loops shared by the CPU ops: dot products, axpy, and an `exp` accurate to
-//! ~1 ulp (Cephes' polynomial) so softmax, SwiGLU and the log-sum-exps run 8 lanes at a time
-//! instead of calling libm per element. The crate is built for x86-64-v3 (AVX2+FMA, see
-//! .cargo/config.toml); other targets get the same code through plain loops.
+//! Vectorized inner loops shared by the CPU ops: dot products, axpy, and the one `exp` of the CPU
+//! backend (Cephes' polynomial, ~1 ulp; the 8-lane path gives the scalar path's bits) so softmax,
+//! SwiGLU and the log-sum-exps run 8 lanes at a time instead of calling libm per element. Also the
+//! one place that asks the CPU what it has (`has_avx2_fma`, `has_avx512f`) and the `simd_kernel!`
+//! dispatch for loops the compiler vectorizes by itself.
+//!
+//! The crate is built for x86-64-v3 (AVX2+FMA, see .cargo/config.toml), so the intrinsics paths
+//! below are chosen at compile time; other targets get the same code through plain loops.
+
+/// Whether the CPU has AVX2 and FMA (asked once).
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx2_fma() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+/// Whether the CPU has AVX-512F (asked once): our packed GEMM's microkernel needs it.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512f() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+}
+
+/// Define a slice kernel whose body is compiled twice, for the baseline target and with AVX2+FMA
+/// enabled (picked at run time), so its loops vectorize 8 wide even in a build for an older
+/// baseline. For loops without `exp` (the compiler vectorizes those itself); loops with `exp`
+/// call the intrinsics helpers below.
+macro_rules! simd_kernel {
+    ($(#[$m:meta])* pub fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty $body:block) => {
+        $(#[$m])*
+        pub fn $name($($arg: $ty),*) -> $ret {
+            #[inline(always)]
+            fn body($($arg: $ty),*) -> $ret $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn wide($($arg: $ty),*) -> $ret {
+                    body($($arg),*)
+                }
+                if $crate::backend::cpu::simd::has_avx2_fma() {
+                    // Safety: the CPU supports the enabled features.
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+pub(crate) use simd_kernel;
 
 /// Σ a[i]·b[i] with fixed-order partial sums (reproducible run to run).
 #[inline]
@@ -115,6 +162,34 @@ mod avx {
         hsum(acc)
     }
 
+    /// `exp_sub_sum_dot` over the first `n8` elements: returns (Σ e, Σ e·x) of the lanes.
+    #[inline(always)]
+    pub unsafe fn exp_sub_sum_dot(x: *mut f32, n8: usize, m: f32) -> (f32, f32) {
+        let (mv, mut acc, mut accl) = (_mm256_set1_ps(m), _mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < n8 {
+            let v = _mm256_loadu_ps(x.add(i));
+            let e = exp(_mm256_sub_ps(v, mv));
+            accl = _mm256_add_ps(accl, _mm256_mul_ps(e, v));
+            _mm256_storeu_ps(x.add(i), e);
+            acc = _mm256_add_ps(acc, e);
+            i += 8;
+        }
+        (hsum(acc), hsum(accl))
+    }
+
+    /// `x[i] = exp(x[i]·scale − sub)` over the first `n8` elements.
+    #[inline(always)]
+    pub unsafe fn exp_scaled_sub(x: *mut f32, n8: usize, scale: f32, sub: f32) {
+        let (sc, sb) = (_mm256_set1_ps(scale), _mm256_set1_ps(sub));
+        let mut i = 0;
+        while i < n8 {
+            let v = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x.add(i)), sc), sb);
+            _mm256_storeu_ps(x.add(i), exp(v));
+            i += 8;
+        }
+    }
+
     #[inline(always)]
     pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
         let av = _mm256_set1_ps(alpha);
@@ -158,7 +233,7 @@ fn exp_lane(x: f32) -> f32 {
 /// saturating `as i32` and `floor` into per-lane code: the softmax of prefill attention took
 /// half of the attention time before (perf, `cargo bench --bench kernels -- prefill`).
 #[inline(always)]
-fn exp8(x: [f32; 8]) -> [f32; 8] {
+pub fn exp8(x: [f32; 8]) -> [f32; 8] {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     {
         use std::arch::x86_64::*;
@@ -225,6 +300,55 @@ pub fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
         s += exp(v - m);
     }
     s
+}
+
+/// x[i] ← exp(x[i] − m); returns (Σ new, Σ new·old): the normalizer and, divided by it, the
+/// expected logit (the entropy of a softmax row, `lse − Σ p·l`).
+#[inline]
+pub fn exp_sub_sum_dot(x: &mut [f32], m: f32) -> (f32, f32) {
+    let n8 = x.len() & !7;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    // Safety: n8 ≤ x.len().
+    let (mut s, mut sl) = unsafe { avx::exp_sub_sum_dot(x.as_mut_ptr(), n8, m) };
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    let (mut s, mut sl) = {
+        let (mut acc, mut accl) = ([0f32; 8], [0f32; 8]);
+        for c in x[..n8].chunks_exact_mut(8) {
+            for l in 0..8 {
+                let e = exp_lane(c[l] - m);
+                accl[l] += e * c[l];
+                c[l] = e;
+                acc[l] += e;
+            }
+        }
+        let h = |a: [f32; 8]| ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); // as avx::hsum
+        (h(acc), h(accl))
+    };
+    for v in &mut x[n8..] {
+        let e = exp(*v - m);
+        sl += e * *v;
+        *v = e;
+        s += e;
+    }
+    (s, sl)
+}
+
+/// x[i] ← exp(x[i]·scale − sub): the probabilities of a score row from its log-sum-exp.
+#[inline]
+pub fn exp_scaled_sub(x: &mut [f32], scale: f32, sub: f32) {
+    let n8 = x.len() & !7;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    // Safety: n8 ≤ x.len().
+    unsafe {
+        avx::exp_scaled_sub(x.as_mut_ptr(), n8, scale, sub)
+    };
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    for v in &mut x[..n8] {
+        *v = exp_lane(*v * scale - sub);
+    }
+    for v in &mut x[n8..] {
+        *v = exp(*v * scale - sub);
+    }
 }
 
 #[inline]
@@ -298,6 +422,20 @@ mod tests {
         let s = exp_sub_sum(&mut v, 1.0);
         assert!((s - want).abs() < 1e-5 * want);
         assert_eq!(max(&[1.0, 5.0, -2.0, 3.0, 0.0, 9.0, 1.0, 2.0, 4.0, 11.0]), 11.0);
+        // the softmax-row helpers: every element is the scalar exp's bits, the sums in f64 agree
+        let base: Vec<f32> = (0..37).map(|i| i as f32 * 0.41 - 7.0).collect();
+        let mut a = base.clone();
+        let (s, sl) = exp_sub_sum_dot(&mut a, 1.5);
+        for (e, x) in a.iter().zip(&base) {
+            assert_eq!(e.to_bits(), exp(x - 1.5).to_bits());
+        }
+        let (ws, wsl) = base.iter().fold((0f64, 0f64), |(s, sl), &x| (s + ((x - 1.5) as f64).exp(), sl + ((x - 1.5) as f64).exp() * x as f64));
+        assert!((s as f64 - ws).abs() < 1e-5 * ws && (sl as f64 - wsl).abs() < 1e-5 * wsl.abs(), "{s} {ws} {sl} {wsl}");
+        let mut b = base.clone();
+        exp_scaled_sub(&mut b, 0.125, 2.0);
+        for (e, x) in b.iter().zip(&base) {
+            assert_eq!(e.to_bits(), exp(x * 0.125 - 2.0).to_bits());
+        }
         assert!((dot(&[1.0; 13], &[2.0; 13]) - 26.0).abs() < 1e-6);
     }
 }

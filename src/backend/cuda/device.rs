@@ -1,341 +1,658 @@
-//! Device memory: which allocator serves it, and the owned allocation type (`DevMem`).
-//!
-//! **Two allocators, chosen once when the backend opens** ([`choose_mode`]):
-//! - `Pool`: the device's default stream-ordered pool (`cuMemAllocAsync` / `cuMemFreeAsync` on
-//!   our one stream) with its release threshold raised to "never", so memory freed in stream
-//!   order (the rollout's KV cache) is reused by the next phase (the update's activations)
-//!   without a round trip to the driver. Used when the device reports memory pools, the
-//!   threshold can be set, and a probe allocation through the pool succeeds.
-//! - `Plain`: `cuMemAlloc` / `cuMemFree` behind our own cache of freed blocks (best fit within
-//!   1/8 slack), for devices or virtualized drivers where the pool is missing or refuses to
-//!   allocate. A freed block goes back to the cache, not the driver: every user of device memory
-//!   is on the one in-order stream, so a block handed out again is only touched by work enqueued
-//!   after the work that used it before — the same argument that makes the stream-ordered pool
-//!   safe. The cache is released to the driver (after a synchronize) when an allocation fails,
-//!   and when the backend closes.
-//!
-//! `INFOMEM_CUDA_ALLOC=pool|plain` forces one (pool: an error if the device cannot); the choice
-//! and its reason are reported by `infomem-engine device` and in the backend's name.
-//!
-//! Both fall back once on an out-of-memory error: the pool is trimmed (cached but unused memory
-//! returned to the driver), the plain cache emptied, and the allocation retried.
-//!
-//! The driver calls are behind [`DeviceAlloc`] so the bookkeeping (cache, retry, the mode
-//! choice) is tested on the CPU with a fake driver.
-use anyhow::{anyhow, bail, Result};
-use std::collections::BTreeMap;
+//! The device runtime of the CUDA backend: the context and its one stream, the embedded kernel
+//! modules and their loading, device buffers (`CudaBuf`: bytes, element count, dtype, an f32
+//! parameter's bf16 shadow, a merged weight's pending LoRA terms), allocation (through
+//! `alloc::Heap`), host ↔ device copies, the per-kind metadata and scratch caches, and the
+//! memory-management ops of the backend traits (upload, download, zeros, write, copy). The op
+//! launches are in the family files beside this one.
+use super::alloc::{self, AllocMode, DevMem, DeviceAlloc, Heap};
+use super::attention::HEAD_DIMS;
+use super::gemm;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use half::bf16;
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-/// Which allocator serves device memory (module comment).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum AllocMode {
-    Pool,
-    /// Plain allocations with the engine's cache; `why` says why the pool is not used.
-    Plain { why: String },
+mod kernels {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 }
 
-impl AllocMode {
-    /// One line for logs and `infomem-engine device`.
-    pub fn describe(&self) -> String {
+/// Element type of a device buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl Dtype {
+    pub fn size(self) -> usize {
         match self {
-            AllocMode::Pool => "stream-ordered pool (cuMemAllocAsync, freed memory kept by the pool)".into(),
-            AllocMode::Plain { why } => format!("plain cuMemAlloc with the engine's block cache ({why})"),
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
         }
     }
-    pub fn short(&self) -> &'static str {
+    pub(super) fn suffix(self) -> &'static str {
         match self {
-            AllocMode::Pool => "pool",
-            AllocMode::Plain { .. } => "plain",
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
         }
     }
 }
 
-/// What the device says about pools, and the result of trying one (`probe`: set the release
-/// threshold, allocate and free a small block through the pool, synchronize).
-pub fn choose_mode(forced: Option<&str>, pools_supported: bool, probe: impl FnOnce() -> std::result::Result<(), String>) -> Result<AllocMode> {
-    match forced.map(str::trim) {
-        None | Some("") | Some("auto") => {}
-        Some("plain") => return Ok(AllocMode::Plain { why: "INFOMEM_CUDA_ALLOC=plain".into() }),
-        Some("pool") => {
-            if !pools_supported {
-                bail!("INFOMEM_CUDA_ALLOC=pool, but the device reports no memory pool support (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED = 0)");
+pub struct CudaBuf {
+    pub(super) mem: DevMem,
+    pub(super) len: usize,
+    pub(super) dtype: Dtype,
+    /// bf16 copy of an f32 parameter (see "Training" above); only `adamw` and `write` keep it.
+    pub(super) shadow: Option<DevMem>,
+    /// LoRA pairs folded lazily into this bf16 weight by `lora_merge` (see "Training" above).
+    pub(super) terms: Vec<LoraTerm>,
+}
+
+/// `w[row0 + o, :] += scale · Σ_j b[o, j]·a[j, :]` pending on a merged weight (`w` rows of `k`);
+/// `a`, `b` are device addresses of bf16 `[r, k]` and `[n_out, r]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LoraTerm {
+    pub(super) row0: usize,
+    pub(super) a: u64,
+    pub(super) b: u64,
+    pub(super) scale: f32,
+    pub(super) k: usize,
+    pub(super) r: usize,
+    pub(super) n_out: usize,
+}
+
+impl CudaBuf {
+    pub(super) fn new(mem: DevMem, len: usize, dtype: Dtype) -> Self {
+        CudaBuf { mem, len, dtype, shadow: None, terms: Vec::new() }
+    }
+    pub(super) fn ptr(&self) -> u64 {
+        self.mem.ptr()
+    }
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    /// Whether this buffer is an f32 master with a bf16 shadow (an optimized parameter).
+    pub fn has_shadow(&self) -> bool {
+        self.shadow.is_some()
+    }
+    /// Pending LoRA terms (a lazily merged weight).
+    pub fn pending_lora_terms(&self) -> usize {
+        self.terms.len()
+    }
+    /// The buffer's content is about to change by an op other than `adamw` / `write`: the bf16
+    /// shadow and the pending LoRA terms no longer describe it.
+    pub(super) fn touch(&mut self) {
+        self.shadow = None;
+        self.terms.clear();
+    }
+    /// Declare that an op writes `n` elements of `dtype` into this buffer.
+    pub(super) fn set_output(&mut self, n: usize, dtype: Dtype, op: &str) -> Result<()> {
+        self.touch();
+        ensure!(
+            n <= self.len && n * dtype.size() <= self.mem.len(),
+            "cuda {op}: output of {n} {} elements does not fit a buffer of {} elements ({} bytes)",
+            dtype.suffix(),
+            self.len,
+            self.mem.len()
+        );
+        self.dtype = dtype;
+        Ok(())
+    }
+    pub(super) fn need(&self, n: usize, op: &str, what: &str) -> Result<()> {
+        ensure!(n <= self.len, "cuda {op}: {what} needs {n} elements, the buffer has {}", self.len);
+        Ok(())
+    }
+}
+
+/// Kernels of each embedded module, by family, loaded by name when the backend opens (a missing
+/// one is an error then, not at first use).
+const KERNEL_NAMES: &[(&str, &[&str])] = &[
+    super::norm::KERNELS,
+    super::rope::KERNELS,
+    super::swiglu::KERNELS,
+    super::memory::KERNELS,
+    super::attention::KERNELS,
+    super::attention_dense::KERNELS,
+    super::logprob::KERNELS,
+    super::sample::KERNELS,
+    super::optim::KERNELS,
+];
+
+/// The path this process loaded a shared library from (its first mapping whose file name starts
+/// with `prefix`, from /proc/self/maps), or "not loaded".
+fn loaded_library(prefix: &str) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.rsplit('/').next().is_some_and(|f| f.starts_with(prefix)))
+        .map(|p| std::fs::canonicalize(p).map(|c| if c.as_path() == std::path::Path::new(p) { p.to_string() } else { format!("{p} -> {}", c.display()) }).unwrap_or_else(|_| p.to_string()))
+        .unwrap_or_else(|| "not loaded".into())
+}
+
+/// Whether the NVIDIA driver library loads and reports at least one device. Never panics.
+pub fn device_present() -> bool {
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    matches!(CudaContext::device_count(), Ok(n) if n > 0)
+}
+
+/// nvcc's version line for the embedded kernels ("" when there are none).
+pub fn nvcc_version() -> &'static str {
+    kernels::NVCC_VERSION
+}
+
+/// Why kernels are missing from this build, if they are.
+pub fn kernels_missing() -> Option<&'static str> {
+    kernels::MISSING
+}
+
+pub struct CudaBackend {
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    pub(super) gemm: gemm::Gemm,
+    /// Device memory (declared before `workspace` and the caches only for readability: every
+    /// `DevMem` holds the heap alive itself).
+    pub(super) heap: Arc<Heap>,
+    pub(super) workspace: DevMem,
+    meta: Mutex<HashMap<&'static str, (Vec<u8>, DevMem)>>,
+    scratch: Mutex<HashMap<&'static str, DevMem>>,
+    /// Held while an op enqueues its work: the metadata and scratch pointers an op obtains stay
+    /// valid only until another op of the same kind replaces them.
+    op: Mutex<()>,
+    pub(super) n_sm: usize,
+    pub(super) device: String,
+}
+
+pub(super) fn to_bf16_bits(data: &[f32]) -> Vec<u16> {
+    let mut out = vec![0u16; data.len()];
+    out.par_chunks_mut(1 << 16).zip(data.par_chunks(1 << 16)).for_each(|(o, d)| {
+        for (o, &x) in o.iter_mut().zip(d) {
+            *o = bf16::from_f32(x).to_bits();
+        }
+    });
+    out
+}
+
+/// The driver calls behind `device::Heap`, on the backend's one stream.
+struct CudaDriverAlloc {
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceAlloc for CudaDriverAlloc {
+    fn alloc(&self, pool: bool, bytes: usize) -> std::result::Result<u64, (bool, String)> {
+        use cudarc::driver::result;
+        self.stream.context().bind_to_thread().map_err(|e| (false, format!("binding the CUDA context: {e:?}")))?;
+        let r = unsafe { if pool { result::malloc_async(self.stream.cu_stream(), bytes) } else { result::malloc_sync(bytes) } };
+        r.map_err(|e| (e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY, format!("{} of {bytes} bytes: {e:?}", if pool { "cuMemAllocAsync" } else { "cuMemAlloc" })))
+    }
+    fn free(&self, pool: bool, ptr: u64) {
+        use cudarc::driver::result;
+        // Drop cannot report an error; a failed free here means the context is already broken,
+        // which the next op reports.
+        let _ = self.stream.context().bind_to_thread();
+        let _ = unsafe { if pool { result::free_async(ptr, self.stream.cu_stream()) } else { result::free_sync(ptr) } };
+    }
+    fn sync(&self) {
+        let _ = self.stream.synchronize();
+    }
+    fn trim_pool(&self) {
+        let ctx = self.stream.context();
+        unsafe {
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().is_ok() {
+                let _ = sys::cuMemPoolTrimTo(pool, 0).result();
             }
-            probe().map_err(|e| anyhow!("INFOMEM_CUDA_ALLOC=pool, but the stream-ordered pool does not work here: {e}"))?;
-            return Ok(AllocMode::Pool);
         }
-        Some(other) => bail!("INFOMEM_CUDA_ALLOC={other:?}: expected pool, plain or auto"),
-    }
-    if !pools_supported {
-        return Ok(AllocMode::Plain { why: "the device reports no memory pool support".into() });
-    }
-    match probe() {
-        Ok(()) => Ok(AllocMode::Pool),
-        Err(e) => Ok(AllocMode::Plain { why: format!("the stream-ordered pool failed its probe: {e}") }),
     }
 }
 
-/// The driver calls behind the allocator (the real one is `CudaDriverAlloc` in mod.rs).
-pub trait DeviceAlloc: Send + Sync {
-    /// Allocate `bytes` (the pool on the stream, or plain); `Err(true)` means out of memory.
-    fn alloc(&self, pool: bool, bytes: usize) -> std::result::Result<u64, (bool, String)>;
-    /// Free a block (in stream order for the pool, after `sync` for plain).
-    fn free(&self, pool: bool, ptr: u64);
-    /// Wait for the stream's work.
-    fn sync(&self);
-    /// Return the pool's cached, unused memory to the driver.
-    fn trim_pool(&self);
+/// Try the stream-ordered pool: keep freed memory in it (release threshold "never"), then
+/// allocate, free and synchronize a 1 MiB block. Any failure says why the pool is not used.
+fn probe_pool(stream: &Arc<CudaStream>) -> std::result::Result<(), String> {
+    use cudarc::driver::result;
+    let ctx = stream.context();
+    unsafe {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
+        let mut keep: u64 = u64::MAX;
+        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut c_void)
+            .result()
+            .map_err(|e| format!("setting the pool's release threshold: {e:?}"))?;
+        let p = result::malloc_async(stream.cu_stream(), 1 << 20).map_err(|e| format!("cuMemAllocAsync: {e:?}"))?;
+        result::free_async(p, stream.cu_stream()).map_err(|e| format!("cuMemFreeAsync: {e:?}"))?;
+    }
+    stream.synchronize().map_err(|e| format!("synchronize after the pool probe: {e:?}"))
 }
 
-/// Plain-mode blocks are rounded so that similar sizes share a cache entry.
-fn round_block(bytes: usize) -> usize {
-    let b = bytes.max(1);
-    if b < (1 << 20) {
-        b.next_power_of_two().max(512)
-    } else {
-        b.div_ceil(2 << 20) * (2 << 20)
-    }
+pub(super) fn grid_for(n: usize, block: u32) -> u32 {
+    (n.div_ceil(block as usize)).clamp(1, 1 << 20) as u32
 }
 
-#[derive(Default)]
-struct Cache {
-    /// Free blocks by size.
-    free: BTreeMap<usize, Vec<u64>>,
-    free_bytes: usize,
-    /// Bytes handed out and not yet returned (both modes; for memory reports).
-    live_bytes: usize,
-}
-
-/// The allocator: the mode, the driver, and (plain mode) the cache of freed blocks.
-pub struct Heap {
-    mode: AllocMode,
-    drv: Box<dyn DeviceAlloc>,
-    cache: Mutex<Cache>,
-}
-
-/// One device allocation; returned to its heap when dropped.
-pub struct DevMem {
-    ptr: u64,
-    /// Bytes requested (the block may be larger).
-    len: usize,
-    /// Bytes of the block (what is returned to the cache).
-    block: usize,
-    heap: Arc<Heap>,
-}
-
-impl DevMem {
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-    /// Bytes usable (as requested).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl Drop for DevMem {
-    fn drop(&mut self) {
-        self.heap.release(self.ptr, self.block);
-    }
-}
-
-impl Heap {
-    pub fn new(mode: AllocMode, drv: Box<dyn DeviceAlloc>) -> Arc<Heap> {
-        Arc::new(Heap { mode, drv, cache: Mutex::new(Cache::default()) })
+impl CudaBackend {
+    /// Open device `ordinal`. Errors (never panics) when the build has no kernels, there is no
+    /// driver or device, the device is older than sm_90, or cuBLASLt cannot be loaded.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_allocator(ordinal, std::env::var("INFOMEM_CUDA_ALLOC").ok().as_deref())
     }
 
-    pub fn mode(&self) -> &AllocMode {
-        &self.mode
-    }
-
-    fn pool(&self) -> bool {
-        self.mode == AllocMode::Pool
-    }
-
-    /// Bytes cached for reuse that the device does not count as free (plain mode's free blocks).
-    pub fn cached_bytes(&self) -> usize {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).free_bytes
-    }
-
-    /// Bytes of live allocations made through this heap.
-    pub fn live_bytes(&self) -> usize {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).live_bytes
-    }
-
-    /// Allocate at least `bytes` (≥ 1). Out of memory is retried once after returning cached
-    /// memory to the driver; the error carries the driver's message.
-    pub fn alloc(self: &Arc<Self>, bytes: usize) -> std::result::Result<DevMem, String> {
-        let block = if self.pool() { bytes.max(1) } else { round_block(bytes) };
-        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if !self.pool() {
-            // best fit: the smallest cached block ≥ block with at most 1/8 slack
-            let hit = c.free.range(block..=block + block / 8).next().map(|(&sz, _)| sz);
-            if let Some(sz) = hit {
-                let list = c.free.get_mut(&sz).expect("the key was just found");
-                let ptr = list.pop().expect("free lists are never left empty");
-                if list.is_empty() {
-                    c.free.remove(&sz);
+    /// `new` with the allocator chosen by `alloc` ("pool", "plain", or None / "auto" to decide
+    /// from the device), as `INFOMEM_CUDA_ALLOC` does for `new`.
+    pub fn with_allocator(ordinal: usize, alloc: Option<&str>) -> Result<Self> {
+        if let Some(why) = kernels::MISSING {
+            bail!("CUDA backend: built without kernels ({why})");
+        }
+        if !unsafe { sys::is_culib_present() } {
+            bail!("no CUDA device: the NVIDIA driver library (libcuda.so) was not found");
+        }
+        let n = CudaContext::device_count().map_err(|e| anyhow!("no CUDA device: cuInit/cuDeviceGetCount failed: {e:?}"))?;
+        if n <= ordinal as i32 {
+            bail!("no CUDA device: {n} device(s) visible, device {ordinal} requested");
+        }
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            bail!(
+                "cuBLASLt (libcublasLt.so.13) was not found: put CUDA 13's cuBLAS libraries on LD_LIBRARY_PATH \
+                 (e.g. a torch environment's site-packages/nvidia/cu13/lib)"
+            );
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
+        // One stream, in-order: cudarc's per-buffer event tracking is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
+        if major < 9 {
+            bail!("the CUDA kernels are built for sm_90 (Hopper); device {ordinal} is sm_{major}{minor}");
+        }
+        let stream = ctx.new_stream().map_err(|e| anyhow!("creating a stream: {e:?}"))?;
+        let device = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let n_sm = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(132) as usize;
+        let mut funcs = HashMap::new();
+        for &(module, names) in KERNEL_NAMES {
+            let &(_, cubin, ptx) = kernels::KERNELS
+                .iter()
+                .find(|k| k.0 == module)
+                .with_context(|| format!("kernels/{module}.cu is not in the build"))?;
+            // The sm_90 cubin on sm_90; the compute_90 PTX (JIT-compiled by the driver) elsewhere
+            // or if the cubin is refused.
+            let cubin_err = if (major, minor) == (9, 0) {
+                match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())) {
+                    Ok(m) => Ok(m),
+                    Err(e) => Err(format!("the sm_90 cubin was refused ({e:?})")),
                 }
-                c.free_bytes -= sz;
-                c.live_bytes += sz;
-                return Ok(DevMem { ptr, len: bytes, block: sz, heap: self.clone() });
+            } else {
+                Err(format!("no cubin for sm_{major}{minor} (the build has sm_90)"))
+            };
+            let m = match cubin_err {
+                Ok(m) => m,
+                Err(why) => ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| {
+                    anyhow!("loading kernels/{module}.cu on sm_{major}{minor}: {why}, and the compute_90 PTX fallback failed too ({e:?})")
+                })?,
+            };
+            for &name in names {
+                let f = m.load_function(name).map_err(|e| anyhow!("kernel {name} missing from kernels/{module}.cu: {e:?}"))?;
+                funcs.insert(name, f);
             }
         }
-        let ptr = match self.drv.alloc(self.pool(), block) {
-            Ok(p) => p,
-            Err((true, _)) => {
-                // out of memory: give back what is cached, then try once more
-                self.flush_locked(&mut c);
-                self.drv.alloc(self.pool(), block).map_err(|(_, e)| e)?
-            }
-            Err((false, e)) => return Err(e),
-        };
-        c.live_bytes += block;
-        Ok(DevMem { ptr, len: bytes, block, heap: self.clone() })
+        // The dense attention backward's dK/dV kernel carves its tiles from dynamic shared memory
+        // (up to ~69 KiB at head_dim 128, over the 48 KiB a launch gets without asking).
+        for hd in HEAD_DIMS {
+            let name = format!("attn_dense_dkdv_hd{hd}");
+            let f = funcs.get(name.as_str()).with_context(|| format!("kernel {name} missing"))?;
+            let bytes = super::attention_dense::dkdv_smem_bytes(hd) as i32;
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+                .map_err(|e| anyhow!("cuda: allowing {bytes} bytes of dynamic shared memory for {name}: {e:?}"))?;
+        }
+        // the allocator: the stream-ordered pool where it works, plain allocations otherwise
+        let pools = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).map(|v| v > 0).unwrap_or(false);
+        let mode = alloc::choose_mode(alloc, pools, || probe_pool(&stream))?;
+        let heap = Heap::new(mode, Box::new(CudaDriverAlloc { stream: stream.clone() }));
+        let gemm = gemm::Gemm::new()?;
+        let workspace = heap.alloc(gemm::WORKSPACE_BYTES).map_err(|e| anyhow!("cuda: allocating the cuBLASLt workspace: {e}"))?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            heap,
+            funcs,
+            gemm,
+            workspace,
+            meta: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(HashMap::new()),
+            op: Mutex::new(()),
+            n_sm,
+            device,
+        })
     }
 
-    fn release(&self, ptr: u64, block: usize) {
-        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        c.live_bytes -= block;
-        if self.pool() {
-            self.drv.free(true, ptr);
-        } else {
-            c.free.entry(block).or_default().push(ptr);
-            c.free_bytes += block;
+    /// Start an op: serialize it with other threads' ops and make this backend's context current
+    /// on the calling thread (the raw driver / cuBLASLt calls below do not bind it themselves).
+    pub(super) fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        let g = self.op.lock().unwrap_or_else(|e| e.into_inner());
+        self.ctx.bind_to_thread().map_err(|e| self.err("binding the CUDA context (or an earlier asynchronous error)", e))?;
+        Ok(g)
+    }
+
+    pub(super) fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs.get(name).with_context(|| format!("cuda: no kernel named {name}"))
+    }
+
+    pub(super) fn err(&self, what: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+        anyhow!("cuda: {what} failed: {e:?}")
+    }
+
+    pub(super) fn alloc(&self, bytes: usize) -> Result<DevMem> {
+        self.heap.alloc(bytes).map_err(|e| self.alloc_error(bytes, e))
+    }
+
+    /// `alloc` with every byte zero (in stream order).
+    pub(super) fn alloc_zeroed(&self, bytes: usize) -> Result<DevMem> {
+        let m = self.alloc(bytes)?;
+        unsafe { cudarc::driver::result::memset_d8_async(m.ptr(), 0, bytes, self.stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
+        Ok(m)
+    }
+
+    /// Which allocator serves this backend's device memory.
+    pub fn alloc_mode(&self) -> &AllocMode {
+        self.heap.mode()
+    }
+
+    /// An allocation failed: say how much was asked and how much the device has.
+    pub(super) fn alloc_error(&self, bytes: usize, e: String) -> anyhow::Error {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        match self.mem_info() {
+            Ok(m) => anyhow!(
+                "cuda: allocating {:.3} GiB failed ({e}): {:.2} GiB usable on {} ({:.2} GiB free on the device, {:.2} GiB cached by the {} allocator), {:.2} GiB in total",
+                gib(bytes),
+                gib(m.usable()),
+                self.device,
+                gib(m.free),
+                gib(m.cached),
+                self.heap.mode().short(),
+                gib(m.total)
+            ),
+            Err(_) => anyhow!("cuda: allocating {:.3} GiB failed: {e}", gib(bytes)),
         }
     }
 
-    fn flush_locked(&self, c: &mut Cache) {
-        self.drv.sync();
-        if self.pool() {
-            self.drv.trim_pool();
+    /// Copy host bytes to the start of `dst`. From pageable memory the driver stages the bytes
+    /// before returning, so `bytes` may be reused at once; the copy is ordered on the stream.
+    pub(super) fn htod(&self, bytes: &[u8], dst: &mut DevMem) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
         }
-        for (_, list) in std::mem::take(&mut c.free) {
-            for p in list {
-                self.drv.free(false, p);
+        ensure!(bytes.len() <= dst.len(), "cuda: copying {} bytes into a device buffer of {}", bytes.len(), dst.len());
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr(), bytes, self.stream.cu_stream()) }.map_err(|e| self.err("host → device copy", e))
+    }
+
+    /// A device copy of small host data, cached per `kind` by content (see the module comment).
+    /// The pointer is valid until the next call with the same kind.
+    pub(super) fn meta(&self, kind: &'static str, bytes: &[u8]) -> Result<u64> {
+        let mut m = self.meta.lock().unwrap();
+        if let Some((host, dev)) = m.get(kind) {
+            if host.as_slice() == bytes {
+                return Ok(dev.ptr());
             }
         }
-        c.free_bytes = 0;
+        let reuse = m.get(kind).is_some_and(|(_, dev)| dev.len() >= bytes.len());
+        if !reuse {
+            let dev = self.alloc(bytes.len().next_power_of_two())?;
+            m.insert(kind, (Vec::new(), dev));
+        }
+        let (host, dev) = m.get_mut(kind).unwrap();
+        // stream order: kernels that read the old content were enqueued before this copy
+        self.htod(bytes, dev)?;
+        host.clear();
+        host.extend_from_slice(bytes);
+        Ok(dev.ptr())
+    }
+
+    /// A reusable device workspace of at least `bytes`, valid until the next call with the same name.
+    pub(super) fn scratch(&self, name: &'static str, bytes: usize) -> Result<u64> {
+        let mut s = self.scratch.lock().unwrap();
+        if s.get(name).is_none_or(|b| b.len() < bytes) {
+            let b = self.alloc(bytes.next_power_of_two())?;
+            s.insert(name, b); // the old one is freed in stream order
+        }
+        Ok(s[name].ptr())
+    }
+
+    pub(super) fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| self.err("stream synchronize (an earlier kernel may have failed)", e))
+    }
+
+    /// Copy `n` elements of `T` to the host (synchronizes the stream).
+    pub(super) fn dtoh<T: bytemuck::Pod>(&self, ptr: u64, n: usize) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); n];
+        if n > 0 {
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream()) }.map_err(|e| self.err("device → host copy", e))?;
+        }
+        self.sync()?;
+        Ok(out)
+    }
+
+    /// Upload host data as `dtype` (tests use this to feed f32 activations).
+    pub fn upload_as(&self, data: &[f32], dtype: Dtype) -> Result<CudaBuf> {
+        let mut mem = self.alloc(data.len() * dtype.size())?;
+        match dtype {
+            Dtype::F32 => self.htod(bytemuck::cast_slice(data), &mut mem)?,
+            Dtype::Bf16 => self.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut mem)?,
+        }
+        Ok(CudaBuf::new(mem, data.len(), dtype))
+    }
+
+    /// A bf16 view of `x` for a GEMM input: its own pointer, or a converted copy (kept alive by
+    /// the returned slice until the GEMM is enqueued).
+    pub(super) fn bf16_input(&self, x: &CudaBuf, n: usize) -> Result<(u64, Option<DevMem>)> {
+        match x.dtype {
+            Dtype::Bf16 => Ok((x.ptr(), None)),
+            Dtype::F32 => {
+                let tmp = self.alloc(n * 2)?;
+                let (src, dst, n64) = (x.ptr(), tmp.ptr(), n as i64);
+                if n > 0 {
+                    launch!(self, "f32_to_bf16", grid_for(n, 256), 256, src, dst, n64)?;
+                }
+                Ok((dst, Some(tmp)))
+            }
+        }
+    }
+
+    /// The bf16 device address of a weight: the buffer itself, or the bf16 shadow of an f32
+    /// parameter. A lazily merged weight is refused (only matmul/matmul_dx apply its terms).
+    pub(super) fn weight_ptr(&self, w: &CudaBuf, n: usize, op: &str, what: &str) -> Result<u64> {
+        ensure!(w.terms.is_empty(), "cuda {op}: {what} carries {} pending LoRA terms (lora_merge); only matmul and matmul_dx apply them", w.terms.len());
+        w.need(n, op, what)?;
+        match (w.dtype, &w.shadow) {
+            (Dtype::Bf16, _) => Ok(w.ptr()),
+            (Dtype::F32, Some(sh)) => Ok(sh.ptr()),
+            (Dtype::F32, None) => bail!("cuda {op}: {what} must be bf16 (uploaded weights are)"),
+        }
+    }
+
+    /// Host copy of a weight with its pending LoRA terms applied (f32, the value the buffer stands for).
+    pub(super) fn download_merged(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
+        let mut w: Vec<f32> = self.dtoh::<u16>(buf.ptr(), buf.len)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+        for t in &buf.terms {
+            let a: Vec<f32> = self.dtoh::<u16>(t.a, t.r * t.k)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+            let b: Vec<f32> = self.dtoh::<u16>(t.b, t.n_out * t.r)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+            for o in 0..t.n_out {
+                let row = &mut w[(t.row0 + o) * t.k..(t.row0 + o + 1) * t.k];
+                for j in 0..t.r {
+                    let c = t.scale * b[o * t.r + j];
+                    for (x, &av) in row.iter_mut().zip(&a[j * t.k..(j + 1) * t.k]) {
+                        *x += c * av;
+                    }
+                }
+            }
+        }
+        Ok(w)
+    }
+
+    /// The bf16 base of a weight `[n, k]` for matmul/matmul_dx, which apply pending LoRA terms
+    /// themselves (checked to fit the weight's rows and width).
+    pub(super) fn base_weight_ptr(&self, w: &CudaBuf, n: usize, k: usize, op: &str) -> Result<u64> {
+        w.need(n * k, op, "the weight")?;
+        for t in &w.terms {
+            ensure!(t.k == k && t.row0 + t.n_out <= n, "cuda {op}: a pending LoRA term (rows {}..{}, width {}) does not fit the weight [{n}, {k}]", t.row0, t.row0 + t.n_out, t.k);
+        }
+        match (w.dtype, &w.shadow) {
+            (Dtype::Bf16, _) => Ok(w.ptr()),
+            (Dtype::F32, Some(sh)) if w.terms.is_empty() => Ok(sh.ptr()),
+            _ => bail!("cuda {op}: the weight must be bf16 (uploaded weights are)"),
+        }
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    /// What this backend runs on, for `infomem-engine device` and the GPU check's first line:
+    /// device, driver, the libraries loaded (and from where), memory, allocator, kernels.
+    pub fn report(&self) -> Result<serde_json::Value> {
+        let _op = self.enter()?;
+        let mut driver = 0i32;
+        unsafe { sys::cuDriverGetVersion(&mut driver) }.result().map_err(|e| anyhow!("cuDriverGetVersion: {e:?}"))?;
+        let (major, minor) = self.ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
+        let m = self.mem_info()?;
+        let gib = |b: usize| (b as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0;
+        let lt = unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() };
+        Ok(serde_json::json!({
+            "device": self.device,
+            "compute_capability": format!("{major}.{minor}"),
+            "multiprocessors": self.n_sm,
+            "driver_cuda_version": format!("{}.{}", driver / 1000, (driver % 1000) / 10),
+            "cublaslt_version": format!("{}.{}.{}", lt / 10000, (lt / 100) % 100, lt % 100),
+            "libcuda": loaded_library("libcuda.so"),
+            "libcublasLt": loaded_library("libcublasLt.so"),
+            "memory_total_gib": gib(m.total),
+            "memory_free_gib": gib(m.free),
+            "allocator": self.heap.mode().short(),
+            "allocator_detail": self.heap.mode().describe(),
+            "kernels_nvcc": kernels::NVCC_VERSION,
+            "kernel_modules": KERNEL_NAMES.len(),
+            "kernels": KERNEL_NAMES.iter().map(|(_, n)| n.len()).sum::<usize>(),
+        }))
+    }
+
+}
+
+impl CudaBackend {
+    /// Check a gradient buffer that an op accumulates into: f32 (every `zeros` is), long enough.
+    pub(super) fn grad_acc(buf: &mut CudaBuf, n: usize, op: &str, what: &str) -> Result<u64> {
+        ensure!(buf.dtype == Dtype::F32, "cuda {op}: {what} accumulates in f32 and must be an f32 buffer (from zeros)");
+        buf.need(n, op, what)?;
+        buf.touch();
+        Ok(buf.ptr())
     }
 }
 
-impl Drop for Heap {
+impl Drop for CudaBackend {
     fn drop(&mut self) {
-        let mut c = std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()));
-        self.flush_locked(&mut c);
+        let _ = self.stream.synchronize();
+        let _ = &self.ctx;
     }
 }
+
+pub(super) fn synchronize(be: &CudaBackend) -> Result<()> {
+    let _op = be.enter()?;
+    be.sync()
+}
+
+pub(super) fn upload(be: &CudaBackend, data: &[f32]) -> Result<CudaBuf> {
+    let _op = be.enter()?;
+    be.upload_as(data, Dtype::Bf16)
+}
+
+/// An f32 master with its bf16 shadow from the start (as `adamw` would make it): a resumed
+/// adapter is not rounded to bf16 on its way back to the device.
+pub(super) fn upload_param(be: &CudaBackend, data: &[f32]) -> Result<CudaBuf> {
+    let _op = be.enter()?;
+    let mut b = be.upload_as(data, Dtype::F32)?;
+    let mut sh = be.alloc((data.len() * 2).max(1))?;
+    be.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut sh)?;
+    b.shadow = Some(sh);
+    Ok(b)
+}
+
+pub(super) fn zeros(be: &CudaBackend, n: usize) -> Result<CudaBuf> {
+    let _op = be.enter()?;
+    let mem = be.alloc_zeroed(n * 4)?;
+    Ok(CudaBuf::new(mem, n, Dtype::F32))
+}
+
+pub(super) fn download(be: &CudaBackend, buf: &CudaBuf) -> Result<Vec<f32>> {
+    let _op = be.enter()?;
+    if !buf.terms.is_empty() {
+        return be.download_merged(buf);
+    }
+    Ok(match buf.dtype {
+        Dtype::F32 => be.dtoh::<f32>(buf.ptr(), buf.len)?,
+        Dtype::Bf16 => be.dtoh::<u16>(buf.ptr(), buf.len)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect(),
+    })
+}
+
+pub(super) fn write(be: &CudaBackend, buf: &mut CudaBuf, data: &[f32]) -> Result<()> {
+    let _op = be.enter()?;
+    ensure!(buf.len == data.len(), "write: length {} into buffer of {}", data.len(), buf.len);
+    buf.terms.clear();
+    match buf.dtype {
+        Dtype::F32 => {
+            be.htod(bytemuck::cast_slice(data), &mut buf.mem)?;
+            // an f32 parameter keeps its bf16 shadow in step
+            if let Some(mut sh) = buf.shadow.take() {
+                be.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut sh)?;
+                buf.shadow = Some(sh);
+            }
+            Ok(())
+        }
+        Dtype::Bf16 => be.htod(bytemuck::cast_slice(&to_bf16_bits(data)), &mut buf.mem),
+    }
+}
+
+pub(super) fn copy(be: &CudaBackend, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
+    let _op = be.enter()?;
+    ensure!(src.len == dst.len, "copy: {} elements into a buffer of {}", src.len, dst.len);
+    let bytes = src.len * src.dtype.size();
+    ensure!(dst.mem.len() >= bytes, "copy: {bytes} bytes into a buffer of {} bytes", dst.mem.len());
+    dst.touch();
+    if bytes > 0 {
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, be.stream.cu_stream()) }.map_err(|e| be.err("device copy", e))?;
+    }
+    dst.dtype = src.dtype;
+    // the copy stands for the same value: same pending LoRA terms, and an f32 parameter's
+    // bf16 shadow is copied along so the copy can serve as a weight too
+    dst.terms = src.terms.clone();
+    if let Some(sh) = &src.shadow {
+        let s2 = be.alloc(src.len * 2)?;
+        unsafe { cudarc::driver::result::memcpy_dtod_async(s2.ptr(), sh.ptr(), src.len * 2, be.stream.cu_stream()) }.map_err(|e| be.err("device copy", e))?;
+        dst.shadow = Some(s2);
+    }
+    Ok(())
+}
+
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+mod kernel_table_tests {
+    use super::{kernels, KERNEL_NAMES};
 
-    /// A device with `cap` bytes: counts calls, refuses what does not fit.
-    #[derive(Default)]
-    struct Fake {
-        cap: usize,
-        used: AtomicUsize,
-        next: AtomicUsize,
-        allocs: AtomicUsize,
-        frees: AtomicUsize,
-        syncs: AtomicUsize,
-        trims: AtomicUsize,
-        sizes: Mutex<std::collections::HashMap<u64, usize>>,
-    }
-    impl DeviceAlloc for Arc<Fake> {
-        fn alloc(&self, _pool: bool, bytes: usize) -> std::result::Result<u64, (bool, String)> {
-            if self.used.load(Ordering::SeqCst) + bytes > self.cap {
-                return Err((true, "CUDA_ERROR_OUT_OF_MEMORY".into()));
+    /// Every kernel the backend loads by name at start is an entry point of the embedded module it
+    /// is listed under, and every embedded module is listed: a renamed or moved kernel fails here,
+    /// without a GPU, instead of at the first `CudaBackend::new` on one.
+    #[test]
+    fn every_listed_kernel_is_embedded() {
+        if kernels::KERNELS.is_empty() {
+            println!("skipped: built without nvcc (no kernels embedded)");
+            return;
+        }
+        for &(module, names) in KERNEL_NAMES {
+            let (_, _, ptx) = kernels::KERNELS.iter().find(|k| k.0 == module).unwrap_or_else(|| panic!("kernels/{module}.cu is not embedded"));
+            for name in names {
+                assert!(ptx.contains(&format!(".entry {name}(")), "kernel {name} is not an entry point of kernels/{module}.cu");
             }
-            self.used.fetch_add(bytes, Ordering::SeqCst);
-            self.allocs.fetch_add(1, Ordering::SeqCst);
-            let p = 0x1000 * (1 + self.next.fetch_add(1, Ordering::SeqCst)) as u64;
-            self.sizes.lock().unwrap().insert(p, bytes);
-            Ok(p)
         }
-        fn free(&self, _pool: bool, ptr: u64) {
-            let b = self.sizes.lock().unwrap().remove(&ptr).expect("freed a pointer the fake never handed out (double free?)");
-            self.used.fetch_sub(b, Ordering::SeqCst);
-            self.frees.fetch_add(1, Ordering::SeqCst);
+        for (module, _, _) in kernels::KERNELS {
+            assert!(KERNEL_NAMES.iter().any(|k| k.0 == *module), "kernels/{module}.cu is embedded but none of its kernels is loaded");
         }
-        fn sync(&self) {
-            self.syncs.fetch_add(1, Ordering::SeqCst);
-        }
-        fn trim_pool(&self) {
-            self.trims.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn fake(cap: usize) -> Arc<Fake> {
-        Arc::new(Fake { cap, ..Default::default() })
-    }
-
-    #[test]
-    fn the_mode_follows_the_device_and_the_probe() {
-        assert_eq!(choose_mode(None, true, || Ok(())).unwrap(), AllocMode::Pool);
-        let m = choose_mode(None, false, || panic!("no probe without pool support")).unwrap();
-        assert!(matches!(&m, AllocMode::Plain { why } if why.contains("no memory pool support")), "{m:?}");
-        let m = choose_mode(None, true, || Err("cuMemAllocAsync: CUDA_ERROR_NOT_SUPPORTED".into())).unwrap();
-        assert!(matches!(&m, AllocMode::Plain { why } if why.contains("CUDA_ERROR_NOT_SUPPORTED")), "{m:?}");
-        assert!(m.describe().contains("plain cuMemAlloc") && m.describe().contains("probe"));
-        assert_eq!(choose_mode(Some("plain"), true, || panic!("a forced plain mode needs no probe")).unwrap().short(), "plain");
-        assert_eq!(choose_mode(Some("pool"), true, || Ok(())).unwrap(), AllocMode::Pool);
-        let e = choose_mode(Some("pool"), true, || Err("refused".into())).unwrap_err().to_string();
-        assert!(e.contains("INFOMEM_CUDA_ALLOC=pool") && e.contains("refused"), "{e}");
-        assert!(choose_mode(Some("pool"), false, || Ok(())).is_err());
-        let e = choose_mode(Some("fast"), true, || Ok(())).unwrap_err().to_string();
-        assert!(e.contains("\"fast\"") && e.contains("pool, plain or auto"), "{e}");
-    }
-
-    #[test]
-    fn plain_mode_reuses_freed_blocks() {
-        let f = fake(1 << 30);
-        let h = Heap::new(AllocMode::Plain { why: "test".into() }, Box::new(f.clone()));
-        let a = h.alloc(3 << 20).unwrap(); // 3 MiB → a 4 MiB block
-        let pa = a.ptr();
-        assert_eq!((a.len(), h.live_bytes()), (3 << 20, 4 << 20));
-        drop(a);
-        assert_eq!((h.cached_bytes(), h.live_bytes(), f.frees.load(Ordering::SeqCst)), (4 << 20, 0, 0), "freed blocks stay cached");
-        // a request of the same class gets the cached block back, without the driver
-        let b = h.alloc((3 << 20) + 17).unwrap();
-        assert_eq!((b.ptr(), f.allocs.load(Ordering::SeqCst)), (pa, 1));
-        // beyond 1/8 slack a new block is allocated: a 1 MiB request does not take an 8 MiB block
-        let big = h.alloc(8 << 20).unwrap();
-        drop(big);
-        let small = h.alloc(1 << 20).unwrap();
-        assert_ne!(small.ptr(), pa);
-        assert_eq!(f.allocs.load(Ordering::SeqCst), 3);
-        drop((b, small));
-        drop(h);
-        assert_eq!((f.used.load(Ordering::SeqCst), f.frees.load(Ordering::SeqCst)), (0, 3), "closing the heap frees every block");
-    }
-
-    #[test]
-    fn out_of_memory_flushes_the_cache_and_retries() {
-        let f = fake(10 << 20);
-        let h = Heap::new(AllocMode::Plain { why: "test".into() }, Box::new(f.clone()));
-        drop(h.alloc(6 << 20).unwrap()); // cached: the device has 4 MiB left
-        let x = h.alloc(8 << 20).expect("the cached 6 MiB is returned to the driver and the allocation retried");
-        assert_eq!((f.syncs.load(Ordering::SeqCst), f.frees.load(Ordering::SeqCst)), (1, 1), "synchronize before freeing cached blocks");
-        assert_eq!(h.cached_bytes(), 0);
-        let e = h.alloc(4 << 20).err().expect("2 MiB left: no room after the retry either");
-        assert!(e.contains("OUT_OF_MEMORY"), "{e}");
-        drop(x);
-    }
-
-    #[test]
-    fn pool_mode_frees_in_stream_order_and_trims_on_oom() {
-        let f = fake(10 << 20);
-        let h = Heap::new(AllocMode::Pool, Box::new(f.clone()));
-        let a = h.alloc(1000).unwrap();
-        assert_eq!(a.len(), 1000);
-        drop(a);
-        assert_eq!((f.frees.load(Ordering::SeqCst), h.cached_bytes()), (1, 0), "the pool does its own caching");
-        let _b = h.alloc(9 << 20).unwrap();
-        assert!(h.alloc(2 << 20).is_err());
-        assert_eq!(f.trims.load(Ordering::SeqCst), 1, "an out-of-memory error trims the pool before the retry");
     }
 }

@@ -18,7 +18,8 @@
 //! Descriptors, layouts and the heuristic's algorithm are cached per shape (a decode step repeats
 //! the same handful of shapes every layer). The heuristic is told the real alignment of every
 //! pointer (cuBLASLt assumes 256 bytes otherwise, and a column-slice pointer is not that aligned).
-use anyhow::{bail, Result};
+use super::{grid_for, CudaBackend, CudaBuf, Dtype, LoraTerm};
+use anyhow::{bail, ensure, Result};
 use cudarc::cublaslt::sys::{self as lt, cublasLtMatmulAlgo_t};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -267,6 +268,152 @@ impl Gemm {
         lt::cublasLtMatmulPreferenceDestroy(pref);
         plan.algo = r?;
         Ok(plan)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The projections of the transformer through the wrapper above: matmul (+ bias, + a lazily
+// merged weight's pending LoRA terms), the LoRA delta, and their backward. CPU twin:
+// src/backend/cpu/matmul.rs. Parity test: tests/cuda_parity/gemm.rs.
+
+pub(super) fn matmul(be: &CudaBackend, x: &CudaBuf, w: &CudaBuf, bias: Option<&CudaBuf>, m: usize, k: usize, n: usize, out: &mut CudaBuf) -> Result<()> {
+    let _op = be.enter()?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    x.need(m * k, "matmul", "x")?;
+    let wp = be.base_weight_ptr(w, n, k, "matmul")?;
+    out.set_output(m * n, Dtype::F32, "matmul")?;
+    let (xp, _keep) = be.bf16_input(x, m * k)?;
+    let yp = out.ptr();
+    be.gemm(GemmArgs { m, n, k, x: xp, ldx: k, w: wp, ldw: k, y: yp, ldy: n, y_bf16: false, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
+    if let Some(b) = bias {
+        b.need(n, "matmul", "the bias")?;
+        let (bp, n32, total) = (b.ptr(), n as i32, (m * n) as i64);
+        launch!(be, &format!("add_bias_{}", b.dtype.suffix()), grid_for(m * n, 256), 256, yp, bp, n32, total)?;
+    }
+    // a lazily merged weight: y[:, row0..row0 + n_out] += scale·(x Aᵀ) Bᵀ per pending pair
+    for t in &w.terms {
+        be.lora_delta(xp, m, t, yp + (t.row0 * 4) as u64, n, false)?;
+    }
+    Ok(())
+}
+
+pub(super) fn lora(be: &CudaBackend, x: &CudaBuf, a: &CudaBuf, b: &CudaBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut CudaBuf, col0: usize, ld: usize) -> Result<()> {
+    let _op = be.enter()?;
+    if m == 0 || n_out == 0 || r == 0 {
+        return Ok(());
+    }
+    ensure!(col0 + n_out <= ld, "cuda lora: columns {col0}..{} beyond rows of {ld}", col0 + n_out);
+    x.need(m * k, "lora", "x")?;
+    out.touch();
+    out.need(m * ld, "lora", "out")?;
+    let ap = be.weight_ptr(a, r * k, "lora", "A")?;
+    let bp = be.weight_ptr(b, n_out * r, "lora", "B")?;
+    let (xp, _keep) = be.bf16_input(x, m * k)?;
+    // xa [m, r] = x · Aᵀ (bf16: the next GEMM's input), then out[:, col0..] += scale · xa · Bᵀ
+    let xa = be.scratch("lora_xa", m * r * 2)?;
+    be.gemm(GemmArgs { m, n: r, k, x: xp, ldx: k, w: ap, ldw: k, y: xa, ldy: r, y_bf16: true, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
+    let y = out.ptr() + (col0 * out.dtype.size()) as u64;
+    be.gemm(GemmArgs { m, n: n_out, k: r, x: xa, ldx: r, w: bp, ldw: r, y, ldy: ld, y_bf16: out.dtype == Dtype::Bf16, alpha: scale, beta: 1.0, xt: false, wt: false })
+}
+
+pub(super) fn matmul_dx(be: &CudaBackend, dy: &CudaBuf, w: &CudaBuf, m: usize, n: usize, k: usize, dx: &mut CudaBuf, accumulate: bool) -> Result<()> {
+    let _op = be.enter()?;
+    if m == 0 || k == 0 {
+        return Ok(());
+    }
+    dy.need(m * n, "matmul_dx", "dy")?;
+    let wp = be.base_weight_ptr(w, n, k, "matmul_dx")?;
+    let dxp = if accumulate {
+        CudaBackend::grad_acc(dx, m * k, "matmul_dx", "dx")?
+    } else {
+        dx.set_output(m * k, Dtype::F32, "matmul_dx")?;
+        dx.ptr()
+    };
+    if n == 0 {
+        if !accumulate {
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(dxp, 0, m * k * 4, be.stream.cu_stream()) }.result().map_err(|e| be.err("memset", e))?;
+        }
+        return Ok(());
+    }
+    let (dyp, _keep) = be.bf16_input(dy, m * n)?;
+    // dx [m, k] (+)= dy [m, n] · W [n, k]: W stored [n, k] is "[K, N]" → wt
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    be.gemm(GemmArgs { m, n: k, k: n, x: dyp, ldx: n, w: wp, ldw: k, y: dxp, ldy: k, y_bf16: false, alpha: 1.0, beta, xt: false, wt: true })?;
+    // pending LoRA pairs: dx += scale·(dy[:, row0..] B) A
+    for t in &w.terms {
+        let du = be.scratch("lora_du", m * t.r * 2)?;
+        be.gemm(GemmArgs { m, n: t.r, k: t.n_out, x: dyp + (t.row0 * 2) as u64, ldx: n, w: t.b, ldw: t.r, y: du, ldy: t.r, y_bf16: true, alpha: t.scale, beta: 0.0, xt: false, wt: true })?;
+        be.gemm(GemmArgs { m, n: k, k: t.r, x: du, ldx: t.r, w: t.a, ldw: k, y: dxp, ldy: k, y_bf16: false, alpha: 1.0, beta: 1.0, xt: false, wt: true })?;
+    }
+    Ok(())
+}
+
+pub(super) fn lora_bwd(be: &CudaBackend, x: &CudaBuf, a: &CudaBuf, b: &CudaBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &CudaBuf, col0: usize, ld: usize, da: &mut CudaBuf, db: &mut CudaBuf, dx: Option<&mut CudaBuf>) -> Result<()> {
+    let _op = be.enter()?;
+    ensure!(col0 + n_out <= ld, "lora_bwd: column slice {col0}+{n_out} outside rows of {ld}");
+    ensure!(da.len == r * k && db.len == n_out * r, "lora_bwd: gradient buffers do not match A [{r}, {k}], B [{n_out}, {r}]");
+    if m == 0 || r == 0 || n_out == 0 || k == 0 {
+        return Ok(());
+    }
+    x.need(m * k, "lora_bwd", "x")?;
+    dy.need(m * ld, "lora_bwd", "dy")?;
+    let ap = be.weight_ptr(a, r * k, "lora_bwd", "A")?;
+    let bp = be.weight_ptr(b, n_out * r, "lora_bwd", "B")?;
+    let dap = CudaBackend::grad_acc(da, r * k, "lora_bwd", "dA")?;
+    let dbp = CudaBackend::grad_acc(db, n_out * r, "lora_bwd", "dB")?;
+    let dxp = match dx {
+        Some(dx) => Some(CudaBackend::grad_acc(dx, m * k, "lora_bwd", "dx")?),
+        None => None,
+    };
+    let (xp, _kx) = be.bf16_input(x, m * k)?;
+    let (dyp, _kd) = be.bf16_input(dy, m * ld)?;
+    let dys = dyp + (col0 * 2) as u64; // the column slice, rows of ld
+    let u = be.scratch("lora_u", m * r * 2)?;
+    let du = be.scratch("lora_du", m * r * 2)?;
+    // u [m, r] = x · Aᵀ (recomputed; bf16 as the forward's)
+    be.gemm(GemmArgs { m, n: r, k, x: xp, ldx: k, w: ap, ldw: k, y: u, ldy: r, y_bf16: true, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
+    // dB [n_out, r] += scale · dy_sᵀ u: X = dy_sᵀ (dy_s stored [m, n_out]: xt), W = uᵀ (u stored [m, r]: wt)
+    be.gemm(GemmArgs { m: n_out, n: r, k: m, x: dys, ldx: ld, w: u, ldw: r, y: dbp, ldy: r, y_bf16: false, alpha: scale, beta: 1.0, xt: true, wt: true })?;
+    // du [m, r] = scale · dy_s B (B stored [n_out, r]: wt)
+    be.gemm(GemmArgs { m, n: r, k: n_out, x: dys, ldx: ld, w: bp, ldw: r, y: du, ldy: r, y_bf16: true, alpha: scale, beta: 0.0, xt: false, wt: true })?;
+    // dA [r, k] += duᵀ x: X = duᵀ (du stored [m, r]: xt), W = xᵀ (x stored [m, k]: wt)
+    be.gemm(GemmArgs { m: r, n: k, k: m, x: du, ldx: r, w: xp, ldw: k, y: dap, ldy: k, y_bf16: false, alpha: 1.0, beta: 1.0, xt: true, wt: true })?;
+    if let Some(dxp) = dxp {
+        // dx [m, k] += du A (A stored [r, k]: wt)
+        be.gemm(GemmArgs { m, n: k, k: r, x: du, ldx: r, w: ap, ldw: k, y: dxp, ldy: k, y_bf16: false, alpha: 1.0, beta: 1.0, xt: false, wt: true })?;
+    }
+    Ok(())
+}
+
+pub(super) fn lora_merge(be: &CudaBackend, w: &mut CudaBuf, row0: usize, a: &CudaBuf, b: &CudaBuf, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()> {
+    let _op = be.enter()?;
+    ensure!(w.dtype == Dtype::Bf16 && w.shadow.is_none(), "cuda lora_merge: the merged weight must be a bf16 copy of a frozen weight");
+    w.need((row0 + n_out) * k, "lora_merge", "the weight")?;
+    let ap = be.weight_ptr(a, r * k, "lora_merge", "A")?;
+    let bp = be.weight_ptr(b, n_out * r, "lora_merge", "B")?;
+    if n_out > 0 && r > 0 {
+        // lazy: matmul / matmul_dx / download apply it (module doc)
+        w.terms.push(LoraTerm { row0, a: ap, b: bp, scale, k, r, n_out });
+    }
+    Ok(())
+}
+
+
+impl CudaBackend {
+    /// `y[:, ..n_out] += t.scale · (x Aᵀ) Bᵀ` for a LoRA term, `x [m, k]` bf16, `y` rows of `ldy`
+    /// (f32 or bf16) starting at the term's first column.
+    pub(super) fn lora_delta(&self, x: u64, m: usize, t: &LoraTerm, y: u64, ldy: usize, y_bf16: bool) -> Result<()> {
+        // xa [m, r] = x · Aᵀ (bf16: the next GEMM's input)
+        let xa = self.scratch("lora_xa", m * t.r * 2)?;
+        self.gemm(GemmArgs { m, n: t.r, k: t.k, x, ldx: t.k, w: t.a, ldw: t.k, y: xa, ldy: t.r, y_bf16: true, alpha: 1.0, beta: 0.0, xt: false, wt: false })?;
+        self.gemm(GemmArgs { m, n: t.n_out, k: t.r, x: xa, ldx: t.r, w: t.b, ldw: t.r, y, ldy, y_bf16, alpha: t.scale, beta: 1.0, xt: false, wt: false })
+    }
+
+    pub(super) fn gemm(&self, g: GemmArgs) -> Result<()> {
+        let ws = self.workspace.ptr();
+        unsafe { self.gemm.run(&g, ws, self.stream.cu_stream()) }
     }
 }
 

@@ -1,12 +1,12 @@
 //! Lane-level CPU emulation primitives for the tensor-core kernels (`kernels/attention.cu`,
-//! `attention_dense.cu`, `attention_bwd.cu`), used by the emulators in `attn.rs` and
-//! `train_attn.rs` (tests only).
+//! `attention_dense.cu`), used by the kernel emulators beside this file
+//! (`attention.rs`, `attention_dense.rs`, `sample.rs`; tests only).
 //!
 //! Why: CI has no GPU, and what is easiest to get wrong in these kernels is the index math —
 //! which lane owns which element of an mma fragment, the C→A repack, shared-memory offsets and
 //! pitches, which stage a cp.async writes while another is read, paged-pool addresses. An
 //! emulator that executes the kernel's own indexing, compared with the CPU twin, catches those
-//! without a device; `tests/cuda_parity.rs` / `tests/cuda_train_parity.rs` check the real
+//! without a device; `tests/cuda_parity/` checks the real
 //! kernels on one.
 //!
 //! What is emulated:
@@ -31,6 +31,10 @@
 //! blocks (they run one after another; cross-block conflicts show only as double writes);
 //! copies landing earlier than their wait (they may on the device, which is why reading an
 //! in-flight slot is an error rather than a read of the old value).
+pub(crate) mod attention;
+pub(crate) mod attention_dense;
+pub(crate) mod sample;
+
 use half::bf16;
 use std::collections::VecDeque;
 

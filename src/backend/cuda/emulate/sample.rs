@@ -1,7 +1,7 @@
 //! CPU emulations of device algorithms that have no one-to-one CPU twin, used to de-risk the
 //! kernels without a GPU: `sample_row` ports kernels/sample.cu (radix descent by mass over 64-bit
 //! keys) to Rust, and the tests check it against the CPU twin `backend::cpu::sample::sample_row`
-//! token for token. (The attention emulation lives in `attn.rs`.)
+//! token for token.
 use crate::backend::{SampleParams, Sampled};
 
 const NOT_FOUND: u64 = u64::MAX;

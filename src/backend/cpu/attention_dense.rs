@@ -1,0 +1,146 @@
+//! Dense causal GQA attention for training on the CPU (twin of kernels/attention_dense.cu,
+//! launched by src/backend/cuda/attention_dense.rs): a dense batch of concatenated sequences,
+//! straight from the fused `qkv` rows (strided GEMMs, no gather), in tiles of `BQ` query rows ×
+//! the visible keys, so only a `[BQ, ctx]` score tile exists at a time. The forward keeps each
+//! row's log-sum-exp; the backward recomputes `P = exp(S − lse)` from it (flash-attention style).
+use super::attention::{stack_group, unstack_group};
+use super::matmul::{gemm_raw, SendPtr};
+use super::memory::transpose;
+use super::simd::{dot, exp_scaled_sub, exp_sub_sum, simd_kernel};
+use crate::backend::{AttnGeom, DenseSeq};
+use rayon::prelude::*;
+
+/// Query rows per attention tile.
+const BQ: usize = 64;
+
+simd_kernel! {
+    /// `ds = p · (dp − di)` in place in `dp`.
+    pub fn softmax_grad_row(p: &[f32], dp: &mut [f32], di: f32) -> () {
+        for (d, &pp) in dp.iter_mut().zip(p) {
+            *d = pp * (*d - di);
+        }
+    }
+}
+
+pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
+    let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
+    let group = nh / nkv;
+    let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let outp = SendPtr(out.as_mut_ptr());
+    let lsep = SendPtr(lse.as_mut_ptr());
+    // One task per (sequence, kv head), longest first. The group's query heads share K and V, so
+    // their rows are stacked into one product of `group·bq` rows per block (as in prefill).
+    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
+    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    tasks.par_iter().for_each(|&(si, kvh)| {
+        let s = seqs[si];
+        let n = s.len;
+        let cap = BQ.min(n) * group;
+        let mut scores = vec![0f32; cap * n];
+        let (mut qg, mut og) = (vec![0f32; cap * hd], vec![0f32; cap * hd]);
+        // Kᵀ [hd, n]: the score product then reads its B operand row-major
+        let mut kt = vec![0f32; hd * n];
+        // Safety: pointers stay inside qkv/out/lse; this task writes only its rows × its group's heads.
+        unsafe {
+            let kptr = qkv.as_ptr().add(s.row0 * width + q_dim + kvh * hd);
+            let vptr = kptr.add(kv_dim);
+            transpose(kptr, width, n, hd, kt.as_mut_ptr(), n);
+            let mut r0 = 0;
+            while r0 < n {
+                let bq = BQ.min(n - r0);
+                let kmax = r0 + bq;
+                let m = group * bq;
+                stack_group(qkv, width, s.row0 + r0, kvh * group * hd, bq, group, hd, &mut qg);
+                // S[m, kmax] = scale · Qg Kᵀ
+                gemm_raw(m, kmax, hd, scores.as_mut_ptr(), kmax as isize, 1, false, qg.as_ptr(), hd as isize, 1, kt.as_ptr(), n as isize, 1, scale, false);
+                for i in 0..m {
+                    let (h, r) = (i / bq, i % bq);
+                    let vis = r0 + r + 1;
+                    let row = &mut scores[i * kmax..(i + 1) * kmax];
+                    let mx = row[..vis].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let sum = exp_sub_sum(&mut row[..vis], mx);
+                    let inv = 1.0 / sum;
+                    row[..vis].iter_mut().for_each(|p| *p *= inv);
+                    row[vis..].fill(0.0);
+                    *lsep.get().add((s.row0 + r0 + r) * nh + kvh * group + h) = mx + sum.ln();
+                }
+                // Og[m, hd] = P V
+                gemm_raw(m, hd, kmax, og.as_mut_ptr(), hd as isize, 1, false, scores.as_ptr(), kmax as isize, 1, vptr, width as isize, 1, 1.0, false);
+                unstack_group(&og, bq, group, hd, outp.get(), q_dim, s.row0 + r0, kvh * group * hd);
+                r0 += bq;
+            }
+        }
+    });
+}
+
+pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
+    let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
+    let group = nh / nkv;
+    let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let dp = SendPtr(dqkv.as_mut_ptr());
+    // One task per (sequence, kv head): it owns the dk/dv columns of that head and the dq columns
+    // of the group's query heads, so the GQA sum over the group needs no synchronisation.
+    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
+    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    tasks.par_iter().for_each(|&(si, kvh)| {
+        let s = seqs[si];
+        let n = s.len;
+        let mut pbuf = vec![0f32; BQ.min(n) * n];
+        let mut dsbuf = vec![0f32; BQ.min(n) * n];
+        // Kᵀ, Vᵀ [hd, n] and the accumulators dKᵀ, dVᵀ: with the key index contiguous, every
+        // product below reads its B operand row-major (cheap panel copies) and the dK/dV
+        // products take the small Qᵀ/dOᵀ as their strided A, not the large dSᵀ/Pᵀ.
+        let (mut kt, mut vt) = (vec![0f32; hd * n], vec![0f32; hd * n]);
+        let (mut dkt, mut dvt) = (vec![0f32; hd * n], vec![0f32; hd * n]);
+        // Safety: every write below goes to rows of this sequence, in columns owned by this task.
+        unsafe {
+            let kptr = qkv.as_ptr().add(s.row0 * width + q_dim + kvh * hd);
+            let vptr = kptr.add(kv_dim);
+            transpose(kptr, width, n, hd, kt.as_mut_ptr(), n);
+            transpose(vptr, width, n, hd, vt.as_mut_ptr(), n);
+            for qh in kvh * group..(kvh + 1) * group {
+                let mut r0 = 0;
+                while r0 < n {
+                    let bq = BQ.min(n - r0);
+                    let kmax = r0 + bq;
+                    let p = &mut pbuf[..bq * kmax];
+                    let ds = &mut dsbuf[..bq * kmax];
+                    let row_a = s.row0 + r0;
+                    let qptr = qkv.as_ptr().add(row_a * width + qh * hd);
+                    let doptr = dout.as_ptr().add(row_a * q_dim + qh * hd);
+                    // S = Q Kᵀ (unscaled; the scale goes into the exponent)
+                    gemm_raw(bq, kmax, hd, p.as_mut_ptr(), kmax as isize, 1, false, qptr, width as isize, 1, kt.as_ptr(), n as isize, 1, 1.0, false);
+                    // dP = dO Vᵀ
+                    gemm_raw(bq, kmax, hd, ds.as_mut_ptr(), kmax as isize, 1, false, doptr, q_dim as isize, 1, vt.as_ptr(), n as isize, 1, 1.0, false);
+                    for r in 0..bq {
+                        let vis = r0 + r + 1;
+                        let row = row_a + r;
+                        let prow = &mut p[r * kmax..(r + 1) * kmax];
+                        exp_scaled_sub(&mut prow[..vis], scale, lse[row * nh + qh]);
+                        prow[vis..].fill(0.0);
+                        let o = &out[row * q_dim + qh * hd..row * q_dim + (qh + 1) * hd];
+                        let dor = &dout[row * q_dim + qh * hd..row * q_dim + (qh + 1) * hd];
+                        let di = dot(dor, o);
+                        let dsrow = &mut ds[r * kmax..(r + 1) * kmax];
+                        softmax_grad_row(&prow[..vis], &mut dsrow[..vis], di);
+                        dsrow[vis..].fill(0.0);
+                    }
+                    // dQ = scale · dS K
+                    let dqptr = dp.get().add(row_a * width + qh * hd);
+                    gemm_raw(bq, hd, kmax, dqptr, width as isize, 1, false, ds.as_ptr(), kmax as isize, 1, kptr, width as isize, 1, scale, false);
+                    // dKᵀ[:, ..kmax] += scale · Qᵀ dS
+                    gemm_raw(hd, kmax, bq, dkt.as_mut_ptr(), n as isize, 1, true, qptr, 1, width as isize, ds.as_ptr(), kmax as isize, 1, scale, false);
+                    // dVᵀ[:, ..kmax] += dOᵀ P
+                    gemm_raw(hd, kmax, bq, dvt.as_mut_ptr(), n as isize, 1, true, doptr, 1, q_dim as isize, p.as_ptr(), kmax as isize, 1, 1.0, false);
+                    r0 += bq;
+                }
+            }
+            let dkptr = dp.get().add(s.row0 * width + q_dim + kvh * hd);
+            let dvptr = dkptr.add(kv_dim);
+            transpose(dkt.as_ptr(), n, hd, n, dkptr, width);
+            transpose(dvt.as_ptr(), n, hd, n, dvptr, width);
+        }
+    });
+}
