@@ -111,70 +111,11 @@ __device__ void attn_dense_fwd_impl(const bf16* __restrict__ qkv, int width, int
         if (warp_active) {
             const int kt0 = t * BK;
             float s[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KQ; ++kk) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const bf16* kr = &sk[st][nt * 8 + gid][kk * 16 + 2 * tq];
-                    mma_bf16(s[nt], qf[kk], ld_b32(kr), ld_b32(kr + 8));
-                }
-            }
-            float mxa = -INFINITY, mxb = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kt0 + nt * 8 + 2 * tq + (e & 1);
-                    const int pos = e < 2 ? pos_a : pos_b;
-                    float v = s[nt][e] * scale_log2;
-                    if (key > pos) v = -INFINITY;  // causal (keys >= kend are beyond every pos)
-                    s[nt][e] = v;
-                    if (e < 2) mxa = fmaxf(mxa, v);
-                    else mxb = fmaxf(mxb, v);
-                }
-            }
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-            const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
-            const float mua = mna == -INFINITY ? 0.f : mna;  // guards −inf − −inf (padding rows)
-            const float mub = mnb == -INFINITY ? 0.f : mnb;
-            const float ca = exp2f(m_a - mua), cb = exp2f(m_b - mub);
-            m_a = mna;
-            m_b = mnb;
-            float la = 0.f, lb = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                s[nt][0] = exp2f(s[nt][0] - mua);
-                s[nt][1] = exp2f(s[nt][1] - mua);
-                s[nt][2] = exp2f(s[nt][2] - mub);
-                s[nt][3] = exp2f(s[nt][3] - mub);
-                la += s[nt][0] + s[nt][1];
-                lb += s[nt][2] + s[nt][3];
-            }
-            l_a = l_a * ca + la;  // per-thread partial sums; the quad is reduced at the end
-            l_b = l_b * cb + lb;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[dt][0] *= ca;
-                o[dt][1] *= ca;
-                o[dt][2] *= cb;
-                o[dt][3] *= cb;
-            }
-#pragma unroll
-            for (int j = 0; j < BK / 16; ++j) {
-                uint32_t pa[4];
-                c_to_a(pa, s[2 * j], s[2 * j + 1]);
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    uint32_t b0, b1;
-                    b_from_rows<HDP>(&sv[st][j * 16 + 2 * tq][dt * 8 + gid], b0, b1);
-                    mma_bf16(o[dt], pa, b0, b1);
-                }
-            }
+            qk_tile<NT, KQ, HDP>(s, qf, sk[st], gid, tq);
+            // causal (keys >= kend are beyond every pos); padding rows (pos −1) see nothing
+            online_softmax_tile<NT, DT>(s, o, m_a, m_b, l_a, l_b, kt0, tq, pos_a, pos_b, scale_log2,
+                                        [](int key, int pos) { return key > pos; });
+            pv_tile<NT, DT, HDP>(o, s, sv[st], gid, tq);
         }
         __syncthreads();  // stage st is overwritten by the load issued in the next iteration
     }

@@ -68,6 +68,99 @@ __device__ __forceinline__ void b_from_rows(const bf16* y, uint32_t& b0, uint32_
     b1 = pack_raw_bf16x2(y[8 * P], y[9 * P]);
 }
 
+// ---------------------------------------------------------------------------------------------
+// One key tile of flash attention for a warp's 16 packed query rows, as the paged (attention.cu)
+// and the dense forward (attention_dense.cu) kernels run it. A thread holds rows gid ("a") and
+// gid + 8 ("b") of the warp's 16 and, per 8-key n-tile, keys 2tq and 2tq + 1 (the C layout above).
+// Emulated line by line by src/backend/cuda/emulate/mod.rs::online_softmax_tile.
+
+// S = Q·Kᵀ: s[nt] from the Q A-fragments in registers and K rows [key][d] in shared memory (row
+// pitch HDP), one 32-bit load per B register.
+template <int NT, int KQ, int HDP>
+__device__ __forceinline__ void qk_tile(float (&s)[NT][4], const uint32_t (&qf)[KQ][4], const bf16 (*sk)[HDP], int gid, int tq) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const bf16* kr = &sk[nt * 8 + gid][kk * 16 + 2 * tq];
+            mma_bf16(s[nt], qf[kk], ld_b32(kr), ld_b32(kr + 8));
+        }
+    }
+}
+
+// The online softmax in base 2 over one tile: scale the scores by log2(e)/sqrt(hd), mask the keys
+// `masked(key, pos)` says a row must not see (pos = the row's position; −1 for a padding row),
+// take the quad's row max, rescale the running (m, l, o) and turn s into the tile's unnormalized
+// probabilities 2^(s − m). l stays a per-thread partial sum (the quad is reduced once, at the end).
+// A row that has seen no key keeps m = −inf, l = 0: the −inf − −inf case is guarded.
+template <int NT, int DT, typename Mask>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], float (&o)[DT][4], float& m_a, float& m_b, float& l_a,
+                                                    float& l_b, int kt0, int tq, int pos_a, int pos_b, float scale_log2,
+                                                    Mask masked) {
+    float mxa = -INFINITY, mxb = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = kt0 + nt * 8 + 2 * tq + (e & 1);
+            const int pos = e < 2 ? pos_a : pos_b;
+            float v = s[nt][e] * scale_log2;
+            if (masked(key, pos)) v = -INFINITY;
+            s[nt][e] = v;
+            if (e < 2) mxa = fmaxf(mxa, v);
+            else mxb = fmaxf(mxb, v);
+        }
+    }
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+    const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
+    const float mua = mna == -INFINITY ? 0.f : mna;  // guards −inf − −inf
+    const float mub = mnb == -INFINITY ? 0.f : mnb;
+    const float ca = exp2f(m_a - mua), cb = exp2f(m_b - mub);
+    m_a = mna;
+    m_b = mnb;
+    float la = 0.f, lb = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[nt][0] = exp2f(s[nt][0] - mua);
+        s[nt][1] = exp2f(s[nt][1] - mua);
+        s[nt][2] = exp2f(s[nt][2] - mub);
+        s[nt][3] = exp2f(s[nt][3] - mub);
+        la += s[nt][0] + s[nt][1];
+        lb += s[nt][2] + s[nt][3];
+    }
+    l_a = l_a * ca + la;
+    l_b = l_b * cb + lb;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+        o[dt][0] *= ca;
+        o[dt][1] *= ca;
+        o[dt][2] *= cb;
+        o[dt][3] *= cb;
+    }
+}
+
+// O += P·V: P re-packed from the S accumulators into A fragments (c_to_a), V rows [key][d] in
+// shared memory (pitch HDP) as B fragments of two 16-bit loads each (b_from_rows).
+template <int NT, int DT, int HDP>
+__device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][4], const bf16 (*sv)[HDP], int gid, int tq) {
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        uint32_t pa[4];
+        c_to_a(pa, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            uint32_t b0, b1;
+            b_from_rows<HDP>(&sv[j * 16 + 2 * tq][dt * 8 + gid], b0, b1);
+            mma_bf16(o[dt], pa, b0, b1);
+        }
+    }
+}
+
 // Sequence and work item of the dense kernels; must match DenseSeqDev / DenseItem in
 // src/backend/cuda/attention_dense.rs (#[repr(C)]).
 struct DenseSeqDev {

@@ -1,5 +1,7 @@
-//! Row movement on the device: embedding lookup, row gather, and the training head's row scaling and scatter-add (the bias add and the f32 → bf16 cast of the same file are launched by the ops that need them).
-//! Kernels: kernels/memory.cu. CPU twin: src/backend/cpu/memory.rs. Parity test: tests/cuda_parity/memory.rs.
+//! Row movement on the device: embedding lookup, row gather, and the training head's row scaling
+//! and scatter-add (the bias add and the f32 → bf16 cast of the same file are launched by the ops
+//! that need them). Kernels: kernels/memory.cu. CPU twin: src/backend/cpu/memory.rs. Parity test:
+//! tests/cuda_parity/memory.rs.
 use super::{CudaBackend, CudaBuf, Dtype};
 use anyhow::{bail, ensure, Result};
 

@@ -1,5 +1,6 @@
-//! RMSNorm family on the device: rmsnorm, add_rmsnorm and add (forward), rmsnorm_bwd (training), and `accumulate` (the optimizer's `acc += x`, which is norm.cu's `add` kernel).
-//! Kernels: kernels/norm.cu. CPU twin: src/backend/cpu/norm.rs. Parity test: tests/cuda_parity/norm.rs.
+//! RMSNorm family on the device: rmsnorm, add_rmsnorm and add (forward), rmsnorm_bwd (training),
+//! and `accumulate` (the optimizer's `acc += x`, which is norm.cu's `add` kernel). Kernels:
+//! kernels/norm.cu. CPU twin: src/backend/cpu/norm.rs. Parity test: tests/cuda_parity/norm.rs.
 use super::{CudaBackend, CudaBuf, Dtype, grid_for};
 use anyhow::{ensure, Result};
 

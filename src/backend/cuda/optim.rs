@@ -1,5 +1,6 @@
-//! The optimizer's arithmetic on the device: squared norms (fixed-order block partials), scaling, AdamW with an f32 master and its bf16 shadow.
-//! Kernels: kernels/optim.cu. CPU twin: src/backend/cpu/optim.rs. Parity test: tests/cuda_parity/optim.rs.
+//! The optimizer's arithmetic on the device: squared norms (fixed-order block partials), scaling,
+//! AdamW with an f32 master and its bf16 shadow. Kernels: kernels/optim.cu. CPU twin:
+//! src/backend/cpu/optim.rs. Parity test: tests/cuda_parity/optim.rs.
 use super::{CudaBackend, CudaBuf, Dtype, grid_for};
 use crate::backend::{AdamWConstants, AdamWStep};
 use anyhow::{ensure, Result};

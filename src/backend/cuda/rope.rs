@@ -1,6 +1,6 @@
 //! RoPE on the device: the rotation of the q/k heads of the fused qkv rows, and its backward (the
-//! same kernel template with the opposite angle).
-//! Kernels: kernels/rope.cu. CPU twin: src/backend/cpu/rope.rs. Parity test: tests/cuda_parity/rope.rs.
+//! same kernel template with the opposite angle). Kernels: kernels/rope.cu. CPU twin:
+//! src/backend/cpu/rope.rs. Parity test: tests/cuda_parity/rope.rs.
 use super::{CudaBackend, CudaBuf};
 use crate::backend::AttnGeom;
 use anyhow::{ensure, Result};

@@ -1,7 +1,7 @@
-//! SwiGLU on the device: silu(gate)·up and its backward.
-//! Kernels: kernels/swiglu.cu. CPU twin: src/backend/cpu/swiglu.rs. Parity test: tests/cuda_parity/swiglu.rs.
+//! SwiGLU on the device: silu(gate)·up and its backward. Kernels: kernels/swiglu.cu. CPU twin:
+//! src/backend/cpu/swiglu.rs. Parity test: tests/cuda_parity/swiglu.rs.
 use super::{CudaBackend, CudaBuf, Dtype, grid_for};
-use anyhow::{Result};
+use anyhow::Result;
 
 /// The kernels of kernels/swiglu.cu this family launches (loaded by name when the backend opens).
 pub(super) const KERNELS: (&str, &[&str]) = (

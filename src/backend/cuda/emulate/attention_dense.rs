@@ -11,7 +11,7 @@
 #![allow(clippy::needless_range_loop)] // loops index registers and fragments as the kernels do
 use crate::backend::cuda::attention_dense::*;
 use crate::backend::{AttnGeom, DenseSeq};
-use super::{b_rows, bf, c_to_a, cp16, ld2, mma, quad_reduce, AFrag, BFrag};
+use super::{b_rows, bf, c_to_a, cp16, ld2, mma, online_softmax_tile, quad_reduce, AFrag, BFrag};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2: f32 = std::f32::consts::LN_2;
@@ -131,54 +131,7 @@ pub fn fwd(qkv: &[f32], g: &AttnGeom, p: &DensePlan, out: &mut [f32], lse: &mut 
                         mma(s_nt, qfk, &b);
                     }
                 }
-                let (mut mxa, mut mxb) = ([f32::NEG_INFINITY; 32], [f32::NEG_INFINITY; 32]);
-                for lane in 0..32 {
-                    let tq = lane % 4;
-                    for (nt, s_nt) in sc.iter_mut().enumerate() {
-                        for e in 0..4 {
-                            let key = (kt0 + nt * 8 + 2 * tq + (e & 1)) as i64;
-                            let pos = if e < 2 { rp[w][lane].pos_a } else { rp[w][lane].pos_b };
-                            let mut v = s_nt[lane][e] * scale_log2;
-                            if key > pos {
-                                v = f32::NEG_INFINITY;
-                            }
-                            s_nt[lane][e] = v;
-                            if e < 2 {
-                                mxa[lane] = mxa[lane].max(v);
-                            } else {
-                                mxb[lane] = mxb[lane].max(v);
-                            }
-                        }
-                    }
-                }
-                quad_reduce(&mut mxa, f32::max);
-                quad_reduce(&mut mxb, f32::max);
-                for lane in 0..32 {
-                    let (mna, mnb) = (m_a[w][lane].max(mxa[lane]), m_b[w][lane].max(mxb[lane]));
-                    let mua = if mna == f32::NEG_INFINITY { 0.0 } else { mna };
-                    let mub = if mnb == f32::NEG_INFINITY { 0.0 } else { mnb };
-                    let (ca, cb) = ((m_a[w][lane] - mua).exp2(), (m_b[w][lane] - mub).exp2());
-                    m_a[w][lane] = mna;
-                    m_b[w][lane] = mnb;
-                    let (mut la, mut lb) = (0f32, 0f32);
-                    for s_nt in sc.iter_mut() {
-                        let x = &mut s_nt[lane];
-                        x[0] = (x[0] - mua).exp2();
-                        x[1] = (x[1] - mua).exp2();
-                        x[2] = (x[2] - mub).exp2();
-                        x[3] = (x[3] - mub).exp2();
-                        la += x[0] + x[1];
-                        lb += x[2] + x[3];
-                    }
-                    l_a[w][lane] = l_a[w][lane] * ca + la;
-                    l_b[w][lane] = l_b[w][lane] * cb + lb;
-                    for od in o[w].iter_mut() {
-                        od[lane][0] *= ca;
-                        od[lane][1] *= ca;
-                        od[lane][2] *= cb;
-                        od[lane][3] *= cb;
-                    }
-                }
+                online_softmax_tile(&mut sc, &mut o[w], &mut m_a[w], &mut m_b[w], &mut l_a[w], &mut l_b[w], kt0 as i64, scale_log2, |lane| (rp[w][lane].pos_a, rp[w][lane].pos_b), |key, pos| key > pos);
                 for j in 0..bk / 16 {
                     let pa: [AFrag; 32] = std::array::from_fn(|lane| c_to_a(&sc[2 * j][lane], &sc[2 * j + 1][lane]));
                     for (dt, od) in o[w].iter_mut().enumerate() {

@@ -103,6 +103,73 @@ pub fn quad_reduce(v: &mut [f32; 32], op: impl Fn(f32, f32) -> f32) {
         }
     }
 }
+/// mma.cuh's `online_softmax_tile` for one warp: `sc[nt][lane]` holds the lane's raw Q·Kᵀ
+/// fragments of n-tile `nt`; `pos(lane)` the positions of the lane's two rows (−1: padding);
+/// `masked(key, pos)` the keys a row must not see. On return `sc` holds the tile's unnormalized
+/// probabilities 2^(s − m) and (m, l, o) are updated in the kernel's order (l a per-lane partial).
+#[allow(clippy::too_many_arguments)]
+pub fn online_softmax_tile(
+    sc: &mut [[CFrag; 32]],
+    o: &mut [[CFrag; 32]],
+    m_a: &mut [f32; 32],
+    m_b: &mut [f32; 32],
+    l_a: &mut [f32; 32],
+    l_b: &mut [f32; 32],
+    kt0: i64,
+    scale_log2: f32,
+    pos: impl Fn(usize) -> (i64, i64),
+    masked: impl Fn(i64, i64) -> bool,
+) {
+    let (mut mxa, mut mxb) = ([f32::NEG_INFINITY; 32], [f32::NEG_INFINITY; 32]);
+    for lane in 0..32 {
+        let (pos_a, pos_b) = pos(lane);
+        for (nt, s_nt) in sc.iter_mut().enumerate() {
+            for e in 0..4 {
+                let key = kt0 + (nt * 8 + 2 * (lane % 4) + (e & 1)) as i64;
+                let p = if e < 2 { pos_a } else { pos_b };
+                let mut v = s_nt[lane][e] * scale_log2;
+                if masked(key, p) {
+                    v = f32::NEG_INFINITY;
+                }
+                s_nt[lane][e] = v;
+                if e < 2 {
+                    mxa[lane] = mxa[lane].max(v);
+                } else {
+                    mxb[lane] = mxb[lane].max(v);
+                }
+            }
+        }
+    }
+    quad_reduce(&mut mxa, f32::max);
+    quad_reduce(&mut mxb, f32::max);
+    for lane in 0..32 {
+        let (mna, mnb) = (m_a[lane].max(mxa[lane]), m_b[lane].max(mxb[lane]));
+        let mua = if mna == f32::NEG_INFINITY { 0.0 } else { mna }; // guards −inf − −inf
+        let mub = if mnb == f32::NEG_INFINITY { 0.0 } else { mnb };
+        let (ca, cb) = ((m_a[lane] - mua).exp2(), (m_b[lane] - mub).exp2());
+        m_a[lane] = mna;
+        m_b[lane] = mnb;
+        let (mut la, mut lb) = (0f32, 0f32);
+        for s_nt in sc.iter_mut() {
+            let x = &mut s_nt[lane];
+            x[0] = (x[0] - mua).exp2();
+            x[1] = (x[1] - mua).exp2();
+            x[2] = (x[2] - mub).exp2();
+            x[3] = (x[3] - mub).exp2();
+            la += x[0] + x[1];
+            lb += x[2] + x[3];
+        }
+        l_a[lane] = l_a[lane] * ca + la; // per-thread partial sums
+        l_b[lane] = l_b[lane] * cb + lb;
+        for od in o.iter_mut() {
+            od[lane][0] *= ca;
+            od[lane][1] *= ca;
+            od[lane][2] *= cb;
+            od[lane][3] *= cb;
+        }
+    }
+}
+
 /// `cp_async16` of 8 bf16 (or zeros when `src` is None), landing at once.
 pub fn cp16(sm: &mut [f32], dst: usize, g: &[f32], src: Option<usize>) {
     for e in 0..8 {
