@@ -12,7 +12,7 @@
 //     backward g1' = g1·cos + g2·sin,  g2' = g2·cos − g1·sin
 // Gradients are f32 (a bf16 backward instantiation exists for completeness).
 //
-// CPU twin: backend::cpu::rope_qkv (sign = +1 forward, −1 backward).
+// CPU twin: backend::cpu::rope::rope_qkv (sign = +1 forward, −1 backward).
 // Launch: grid = rows, block = 128. inv_freq has hd/2 entries; positions one per row.
 #include "common.cuh"
 

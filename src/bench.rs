@@ -72,7 +72,7 @@ pub fn run_decode<B: Backend>(model: &Model<B>, s: BenchShape, seed: u64) -> Res
 /// rollouts read `chunks` sections of `seq_len` tokens; per section, prompt = [section (the same
 /// for all rollouts) + that rollout's memory], then `new_tokens` greedy tokens (EOS ignored)
 /// become the next memory. Here the section is prefilled once and forked (the shared prefix of
-/// DESIGN.md §3); PyTorch prefills it once per rollout. Returns (generated tokens, seconds).
+/// docs/DESIGN.md §4.1); PyTorch prefills it once per rollout. Returns (generated tokens, seconds).
 pub fn run_rollout<B: Backend>(model: &Model<B>, s: BenchShape, chunks: usize, seed: u64) -> Result<(usize, f64)> {
     anyhow::ensure!(s.seq_len >= 2 && chunks >= 1, "rollout: sections of at least 2 tokens, at least one chunk");
     let mut rng = Rng::new(seed);

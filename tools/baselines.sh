@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Baseline accuracy of the untrained memory agent (README "Baselines"): SmolLM2-135M-Instruct on
+# Baseline accuracy of the untrained memory agent (docs/RESULTS.md, "Baselines"): SmolLM2-135M-Instruct on
 # needle and multihop at 2K, 4K and 8K tokens, 50 questions each, chunks of 512 tokens, greedy,
-# the default templates of DESIGN.md §1. About an hour on 2 CPU cores.
+# the default templates of docs/DESIGN.md §1.1. About an hour on 2 CPU cores.
 # Usage: tools/baselines.sh [OUT_DIR] [extra eval flags, e.g. --adapter DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

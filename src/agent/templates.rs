@@ -1,4 +1,4 @@
-//! The update and final prompts of DESIGN.md §1, rendered through the model's chat template and
+//! The update and final prompts of docs/DESIGN.md §1.1, rendered through the model's chat template and
 //! assembled at the token level.
 //!
 //! The user turn is rendered once with placeholder markers; the rendered text is cut at the

@@ -10,8 +10,8 @@
 //! | norm | rmsnorm, add_rmsnorm, add, rmsnorm_bwd | cpu/norm.rs | cuda/norm.rs | kernels/norm.cu |
 //! | rope | rope, rope_bwd | cpu/rope.rs | cuda/rope.rs | kernels/rope.cu |
 //! | swiglu | swiglu, swiglu_bwd | cpu/swiglu.rs | cuda/swiglu.rs | kernels/swiglu.cu |
-//! | memory | embed, gather_rows, scale_rows, scatter_add_rows, kv_store, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
-//! | attention | paged causal GQA attention (prefill, scoring, decode), KV cache | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
+//! | memory | embed, gather_rows, scale_rows, scatter_add_rows, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
+//! | attention | paged causal GQA attention (prefill, scoring, decode); the KV cache (kv_new, kv_store, kv_copy_page) | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
 //! | attention_dense | training attention forward (+ lse) and backward | cpu/attention_dense.rs | cuda/attention_dense.rs | kernels/attention_dense.cu |
 //! | matmul | matmul, lora, matmul_dx, lora_bwd, lora_merge | cpu/matmul.rs (+ gemm512.rs) | cuda/gemm.rs (cuBLASLt) | — |
 //! | logprob | logprobs, head_grad (vocabulary tiles, online softmax) | cpu/logprob.rs | cuda/logprob.rs | kernels/logprob.cu |
@@ -356,6 +356,22 @@ pub fn keep_override() -> Result<Option<usize>> {
         }
         Err(_) => Ok(None),
     }
+}
+
+/// f32 elements the LoRA backward (`runtime::backward::policy_grads`) allocates per row of its batch when every layer is recomputed:
+/// the saved input residual of every layer, the residual stream, one layer's intermediates
+/// (`Acts`), their gradients, and the head pass's rows (at most one per row). The CUDA memory
+/// plan adds its scratch to this (`cuda::footprint::update_bytes_per_row`); the CPU and CUDA backends size what they may keep
+/// beside it (`TrainBackend::keep_activation_bytes`). It lives here, below the runtime, because
+/// both the runtime and the CUDA memory plan need it.
+pub fn lora_backward_f32s_per_row(cfg: &ModelConfig) -> usize {
+    let (d, l, i, nh) = (cfg.hidden, cfg.n_layers, cfg.intermediate, cfg.n_heads);
+    let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());
+    l * d                                   // saved input residual of every layer
+        + d                                 // the residual stream x
+        + d + qkv + q + nh + d + d + 2 * i + i // Acts: h1 qkv att lse o h2 gu act
+        + d + i + 2 * i + d + q + qkv       // dres dact dgu dhid datt dqkv
+        + 4 * d // head rows: sel hn dh dsel
 }
 
 /// Run `f` and return its result with its duration in seconds as the device sees it: `sync`

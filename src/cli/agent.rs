@@ -75,14 +75,19 @@ pub struct RolloutArgs {
     /// Rollouts per query.
     #[arg(long, default_value_t = 8)]
     pub group_size: usize,
+    /// Sampling temperature of every conversation (0 = greedy).
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
+    /// Nucleus (top-p) mass in (0, 1]; 1 keeps the whole vocabulary.
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Seed of the samplers (and of --pad-to-tokens): the same seed reproduces the same trajectories.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Reward mode written into each trajectory's `reward` (docs/DESIGN.md §1.5).
     #[arg(long, value_enum, default_value_t = RewardMode::Infomem)]
     pub reward: RewardMode,
+    /// Weight β of the memory signal in the reward.
     #[arg(long, default_value_t = 0.5)]
     pub beta: f64,
     /// Score L(M_t) − L(∅) after every chunk.
@@ -114,11 +119,13 @@ pub struct EvalArgs {
     /// Skip the per-chunk memory curve (saves one short scoring pass per chunk).
     #[arg(long)]
     pub no_memory_curve: bool,
+    /// Seed of the --lengths padding (decoding is greedy).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Output directory (results.json, results.md, accuracy.png, memory_curve.png, predictions.jsonl).
     #[arg(long)]
     pub out: PathBuf,
+    /// Also print the result rows and the run's settings as one JSON line.
     #[arg(long)]
     pub json: bool,
 }

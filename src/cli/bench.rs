@@ -15,7 +15,9 @@ pub enum Stat {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Work {
+    /// Teacher-forced log-probs of the last --score-last tokens of --batch sequences of --seq-len.
     Score,
+    /// --batch prompts of --seq-len, --new-tokens greedy new tokens each (EOS ignored), prefill included.
     Decode,
     /// LoRA r16 (α 32) on all 7 projections, GRPO token loss on the last 128 tokens of each
     /// sequence, one forward + backward (CPU or CUDA backend).
@@ -29,20 +31,22 @@ pub enum Work {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// The workload to time (defined as in tools/bench_torch.py).
     #[arg(long, value_enum)]
     pub work: Work,
-    /// Sequences per run (default: 8).
+    /// Sequences per run (default: 8; rollout: 16 rollouts).
     #[arg(long)]
     pub batch: Option<usize>,
-    /// Tokens per sequence: the whole sequence for `score`, the prompt for `decode`
-    /// (default: 512 for score, 256 for decode).
+    /// Tokens per sequence: the whole sequence for `score` and `train`, the prompt for `decode`,
+    /// one section for `rollout` (default: 512 for score and train, 256 for decode, 2048 for rollout).
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// `score`: teacher-forced targets at the end of each sequence (default: 64); `train`: tokens
     /// with loss at the end of each sequence (default: 128).
     #[arg(long)]
     pub score_last: Option<usize>,
-    /// `decode`: new tokens per sequence (default: 128).
+    /// `decode`: new tokens per sequence (default: 128); `rollout`: memory tokens generated per
+    /// section (default: 512).
     #[arg(long)]
     pub new_tokens: Option<usize>,
     /// `rollout`: sections read per rollout (default: 8).
@@ -55,6 +59,7 @@ pub struct BenchArgs {
     /// Which of the repetitions' times is reported (median, as tools/bench_torch.py does by default).
     #[arg(long, value_enum, default_value_t = Stat::Median)]
     pub stat: Stat,
+    /// Print one JSON line (shape, tokens, seconds, tokens_per_s, every run's time) instead of text.
     #[arg(long)]
     pub json: bool,
 }

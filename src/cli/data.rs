@@ -29,6 +29,7 @@ pub enum DataCmd {
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
+    /// Task: needle (one planted fact), multikey (the asked key among distractor keys), multihop (a chain of facts), vartrack (variable assignment chains).
     #[arg(long, value_enum)]
     pub task: Task,
     /// Target context length in tokens (of --model's tokenizer, else estimated from characters).
@@ -119,6 +120,7 @@ pub struct ConvertArgs {
     /// Output JSONL file.
     #[arg(long)]
     pub out: PathBuf,
+    /// Print one JSON line (input, output, records written, records skipped, input format) instead of text.
     #[arg(long)]
     pub json: bool,
 }

@@ -9,6 +9,7 @@ pub struct RewardArgs {
     /// JSONL, one group per line: {"outcomes": [0/1...], "gains": [...]}.
     #[arg(long)]
     pub groups: PathBuf,
+    /// Reward mode; the groups' `gains` are used as the mode's memory signal (docs/DESIGN.md §1.5).
     #[arg(long, value_enum, default_value_t = RewardMode::Infomem)]
     pub mode: RewardMode,
     /// Weight of the memory signal.

@@ -23,13 +23,16 @@ pub struct GenerateArgs {
     /// Prompt as comma-separated token ids.
     #[arg(long)]
     pub prompt_ids: Option<String>,
+    /// Maximum number of new tokens to generate (generation also stops at an end-of-sequence id or a --stop string).
     #[arg(long)]
     pub max_new_tokens: usize,
     /// Greedy decoding (the default when no temperature is given).
     #[arg(long, conflicts_with_all = ["temperature", "top_p"])]
     pub greedy: bool,
+    /// Sample at this temperature (> 0) instead of greedy decoding.
     #[arg(long)]
     pub temperature: Option<f32>,
+    /// Nucleus sampling: keep the smallest set of tokens with this probability mass, in (0, 1] (needs --temperature; default 1 = whole vocabulary).
     #[arg(long)]
     pub top_p: Option<f32>,
     /// Seed of the sampler: the same seed reproduces the same text.
@@ -41,6 +44,7 @@ pub struct GenerateArgs {
     /// Keep generating after an end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Print one JSON line (prompt_ids, new_ids, text, finish, logprobs) instead of the text.
     #[arg(long)]
     pub json: bool,
 }
@@ -58,13 +62,16 @@ pub struct ScoreArgs {
     /// is then the assistant reply.
     #[arg(long)]
     pub chat: Option<String>,
+    /// Context as comma-separated token ids.
     #[arg(long)]
     pub context_ids: Option<String>,
     /// Target text (tokenized without special tokens).
     #[arg(long)]
     pub target: Option<String>,
+    /// Target as comma-separated token ids.
     #[arg(long)]
     pub target_ids: Option<String>,
+    /// Print one JSON line (context_ids, target_ids, logprobs, mean_logprob) instead of text.
     #[arg(long)]
     pub json: bool,
 }

@@ -28,6 +28,7 @@ pub struct GrpoGradArgs {
     /// base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), written atomically.
     #[arg(long)]
     pub out: PathBuf,
+    /// Print the loss statistics as one JSON line instead of text.
     #[arg(long)]
     pub json: bool,
 }
@@ -94,68 +95,97 @@ pub struct TrainArgs {
     /// Output directory: metrics.jsonl, curves.png, adapter/, checkpoints/.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Start from this PEFT adapter directory instead of a fresh one (its r, α and targets are used).
     #[arg(long)]
     pub init_adapter: Option<PathBuf>,
+    /// LoRA rank r of a fresh adapter (default 16).
     #[arg(long)]
     pub lora_r: Option<usize>,
+    /// LoRA α of a fresh adapter; the delta is scaled by α/r (default 32).
     #[arg(long)]
     pub lora_alpha: Option<f64>,
     /// Comma-separated: q,k,v,o,gate,up,down.
     #[arg(long, value_delimiter = ',')]
     pub lora_targets: Option<Vec<String>>,
+    /// Optimizer steps to run; with --resume, the new total (default 20).
     #[arg(long)]
     pub steps: Option<usize>,
+    /// Questions per step; each gets --group-size rollouts (default 4).
     #[arg(long)]
     pub queries_per_step: Option<usize>,
+    /// Rollouts per question, the GRPO group (at least 2; default 4).
     #[arg(long)]
     pub group_size: Option<usize>,
+    /// Tokens per document chunk (default 512).
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
+    /// Budget of each memory rewrite in new tokens (default 128).
     #[arg(long)]
     pub memory_tokens: Option<usize>,
+    /// Budget of the final answer in new tokens (default 24).
     #[arg(long)]
     pub answer_tokens: Option<usize>,
+    /// Sampling temperature of the rollouts (default 1.0).
     #[arg(long)]
     pub temperature: Option<f32>,
+    /// Nucleus (top-p) mass of the rollouts in (0, 1] (default 1.0).
     #[arg(long)]
     pub top_p: Option<f32>,
+    /// TOML file with `update` / `final` templates and `empty_memory` (default: the built-in templates).
     #[arg(long)]
     pub templates: Option<PathBuf>,
+    /// How the answer is cut out of the final reply (default line).
     #[arg(long, value_enum)]
     pub extract: Option<infomem_engine::reward::Extract>,
+    /// Outcome matcher: em, sub-em or f1 (rounded to 0/1) (default em).
     #[arg(long = "match", value_enum)]
     pub matcher: Option<infomem_engine::reward::Matcher>,
+    /// Reward mode (default infomem; docs/DESIGN.md §1.5).
     #[arg(long, value_enum)]
     pub reward: Option<infomem_engine::reward::RewardMode>,
+    /// Weight β of the memory signal in the reward (default 0.5).
     #[arg(long)]
     pub beta: Option<f64>,
-    /// std or mean.
+    /// Advantage normalization: std = (R − mean)/(sample std + 1e-6), mean = R − mean (default std).
     #[arg(long)]
     pub adv_norm: Option<String>,
+    /// ε_low: the ratio is clipped below at 1 − ε_low (default 0.2).
     #[arg(long)]
     pub clip_low: Option<f64>,
+    /// ε_high: the ratio is clipped above at 1 + ε_high (default 0.28).
     #[arg(long)]
     pub clip_high: Option<f64>,
+    /// Weight of the k3 KL term to the LoRA-off reference policy; 0 skips the reference pass (default 0).
     #[arg(long)]
     pub kl_coef: Option<f64>,
+    /// Peak learning rate of AdamW (default 1e-4).
     #[arg(long)]
     pub lr: Option<f64>,
+    /// Steps of linear learning-rate warm-up (default 2).
     #[arg(long)]
     pub warmup_steps: Option<usize>,
+    /// Learning rate after the warm-up: constant, or a cosine decay toward 10% of --lr (default constant).
     #[arg(long, value_enum)]
     pub schedule: Option<infomem_engine::rl::trainer::Schedule>,
+    /// AdamW decoupled weight decay (default 0).
     #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm to this; 0 turns clipping off (default 1.0).
     #[arg(long)]
     pub grad_clip: Option<f64>,
+    /// Prompt + response tokens per forward/backward micro-batch of the update (default 4096).
     #[arg(long)]
     pub micro_batch_tokens: Option<usize>,
+    /// Upper bound on tokens per forward step during rollouts (default 2048).
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
+    /// Write a checkpoint every N steps; 0 only at the end (default 5).
     #[arg(long)]
     pub save_every: Option<usize>,
+    /// Checkpoints to keep, newest first (default 2).
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
+    /// Seed of the adapter's initialization, the data order and the rollouts (default 0).
     #[arg(long)]
     pub seed: Option<u64>,
 }

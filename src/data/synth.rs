@@ -9,7 +9,7 @@
 //! for a given seed whatever the thread count.
 //!
 //! Answers are short numbers by default (SmolLM2-135M copies numbers well and rare words badly,
-//! see FINDINGS.md); `AnswerKind::Word` uses common single words instead.
+//! see the task choice in docs/RESULTS.md); `AnswerKind::Word` uses common single words instead.
 use super::filler::{Essays, Procedural};
 use super::{count_substr, count_word, QaRecord, TokenCounter};
 use crate::model::tokenizer::TextTokenizer;

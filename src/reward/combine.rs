@@ -1,5 +1,5 @@
 //! Turning a group's outcomes and memory signals into final rewards — every reward mode behind
-//! one function, so ablations are one flag apart (DESIGN.md §1, Algorithm 1).
+//! one function, so ablations are one flag apart (docs/DESIGN.md §1.4 and §1.5; Algorithm 1 of the paper).
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -18,7 +18,7 @@ pub enum Matcher {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Extract {
-    /// Trimmed, up to the first newline (DESIGN.md §1).
+    /// Trimmed, up to the first newline (docs/DESIGN.md §1.2).
     Line,
     /// The first run of digits in the first line (for tasks whose answers are numbers/codes: a
     /// sentence around the number is accepted, listing several candidates is not — only the

@@ -1,4 +1,4 @@
-//! GRPO, exactly as DESIGN.md §1: group advantages, the multi-conversation broadcast, the clipped
+//! GRPO, exactly as docs/DESIGN.md §1.6: group advantages, the multi-conversation broadcast, the clipped
 //! token loss with the k3 KL to the LoRA-off reference, and its gradient w.r.t. the LoRA
 //! parameters (through `runtime::backward`).
 //!

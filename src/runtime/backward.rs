@@ -415,25 +415,12 @@ pub fn policy_grads<B: TrainBackend, S>(
 ) -> Result<(S, LoraGrads<B>)> {
     let per_layer = |rows: usize| rows * Kept::<B>::bytes_per_row(model) + Merged::<B>::slot_bytes(model);
     let n_keep = |rows: usize| -> Result<usize> {
-        let working_set = rows * 4 * update_f32s_per_row(&model.cfg) + Merged::<B>::slot_bytes(model);
+        let working_set = rows * 4 * crate::backend::lora_backward_f32s_per_row(&model.cfg) + Merged::<B>::slot_bytes(model);
         Ok(model.be.keep_activation_bytes(working_set)? / per_layer(rows).max(1))
     };
     grads_inner(model, seqs, n_keep, loss)
 }
 
-/// f32 elements `policy_grads` allocates per row of its batch when every layer is recomputed:
-/// the saved input residual of every layer, the residual stream, one layer's intermediates
-/// (`Acts`), their gradients, and the head pass's rows (at most one per row). The CUDA memory
-/// plan adds its scratch to this (`backend::cuda::footprint::update_bytes_per_row`).
-pub fn update_f32s_per_row(cfg: &crate::model::config::ModelConfig) -> usize {
-    let (d, l, i, nh) = (cfg.hidden, cfg.n_layers, cfg.intermediate, cfg.n_heads);
-    let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());
-    l * d                                   // saved input residual of every layer
-        + d                                 // the residual stream x
-        + d + qkv + q + nh + d + d + 2 * i + i // Acts: h1 qkv att lse o h2 gu act
-        + d + i + 2 * i + d + q + qkv       // dres dact dgu dhid datt dqkv
-        + 4 * d // head rows: sel hn dh dsel
-}
 
 /// [`policy_grads`] keeping the activations of the top `n_keep` layers from the forward (the
 /// others are recomputed in the backward). The same gradients, bit for bit, for any `n_keep`.

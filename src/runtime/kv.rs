@@ -3,7 +3,7 @@
 //! A `Seq` is a page table plus a length. `fork` shares every page of a sequence (reference
 //! counts go up); the first write into a shared, partially filled page copies it first, so forks
 //! never see each other's tokens. This is how a group's `n` rollouts share the KV cache of the
-//! common `[template head, question, section]` prefix (DESIGN.md §3).
+//! common `[template head, question, section]` prefix (docs/DESIGN.md §4.1).
 use crate::backend::{AttnGeom, Backend};
 use anyhow::{bail, Result};
 

@@ -52,8 +52,8 @@ fn paged_attention_mixed_batch() {
         cpu.attention(&ckv, layer, &qkv, &seqs, g, &mut want).unwrap();
         // The device rounds P (in [0,1]) to bf16 before P·V and the output to bf16: the output errs
         // by <= 2^-8·max|v| from P plus 2^-8·|out|; V ~ N(0,1) here, so 1e-2·max|V| bounds both
-        // with margin (relative to the row max of the output, as the issue asks, would be too
-        // tight for rows that average to ~0).
+        // with margin (a bound relative to the row max of the output would be too tight for
+        // rows that average to ~0).
         let got = be.download(&dout).unwrap();
         check(&format!("attention hd{hd}"), &got, &want, BF16_ROUND, 1e-2 * 4.5);
         // an f32 q input takes the other kernel instantiation

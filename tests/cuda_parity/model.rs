@@ -55,7 +55,7 @@ fn check_greedy(what: &str, c: &Model<CpuBackend>, d: &Model<CudaBackend>, prefi
 }
 
 /// A device greedy path follows the CPU reference's argmax at every step where the reference's
-/// top-1/top-2 margin exceeds max(0.1, 1e-2·|top logit|) — the 0.1, widened for large
+/// top-1/top-2 margin exceeds max(0.1, 1e-2·|top logit|) — a fixed 0.1-logit margin, widened for large
 /// logits since the device's logits carry bf16-level relative noise; after a near-tie the paths
 /// may legitimately part, so the comparison stops there.
 fn check_path(what: &str, c: &Model<CpuBackend>, prefix: &[u32], got: &[u32]) {

@@ -19,7 +19,7 @@ fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdap
     (c, d)
 }
 
-/// Bound on a device log-probability (tests/cuda_parity.rs' `model_tol`): every GEMM input, the
+/// Bound on a device log-probability (tests/cuda_parity/model.rs' `model_tol`): every GEMM input, the
 /// attention output and the norm outputs are bf16 on the device (~6 roundings of 2^-8 per
 /// layer), so logits carry ~1e-2 relative noise and log-probs inherit it.
 fn logp_tol(reference: f32) -> f32 {

@@ -135,7 +135,7 @@ pub fn keep_budget(usable: usize, working_set: usize) -> usize {
 pub fn update_bytes_per_row(cfg: &ModelConfig, r: usize) -> usize {
     let (i, nh) = (cfg.intermediate, cfg.n_heads);
     let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());
-    let f32s = crate::runtime::backward::update_f32s_per_row(cfg);
+    let f32s = crate::backend::lora_backward_f32s_per_row(cfg);
     let scratch = 2 * qkv        // bf16 qkv for the attention kernels
         + 2 * q + 4 * nh         // bf16 dO and D = rowsum(dO∘O)
         + 2 * 2 * i              // the largest f32 → bf16 GEMM input conversion (dgu)
