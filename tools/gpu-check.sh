@@ -14,9 +14,10 @@
 #                                  allocator in use), then every CUDA parity test, inference and
 #                                  training (failures rerun alone to tell them from collateral),
 #                                  then compute-sanitizer memcheck and racecheck on the paged- and
-#                                  dense-attention tests where it exists, then one test with the
-#                                  plain allocator. Files: summary.md log.txt steps.jsonl meta.json
-#                                  device.json. Exit 0 only if every parity test passed.
+#                                  dense-attention tests where it exists, then the plain-allocation
+#                                  fallback (the device report, a whole model, the allocator test).
+#                                  Files: summary.md log.txt steps.jsonl meta.json device.json.
+#                                  Exit 0 only if every parity test passed in the one process.
 #   tools/gpu-check.sh bench       <= 5 min. Ours vs PyTorch + transformers (SDPA) + PEFT on the
 #                                  same GPU and the same random weights: score 8x4096, decode
 #                                  batch 64 and batch 1 (prompt 1024, 256 new), the memory-agent
