@@ -11,7 +11,7 @@ static ALLOC: infomem_engine::util::alloc::CachingAlloc = infomem_engine::util::
 #[derive(Parser)]
 #[command(name = "infomem-engine", version, about = "Train long-context memory agents with GRPO and the InfoMem reward, on one GPU or the CPU.")]
 struct Cli {
-    /// CPU threads (0 = all cores).
+    /// CPU threads (0 = all cores; at most 1024).
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
     #[command(subcommand)]
@@ -48,8 +48,9 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
-    infomem_engine::backend::cpu::init_threads(cli.threads);
-    let res = match cli.cmd {
+    // checked here rather than through backend::cpu::init_threads, which ignores a pool that
+    // fails to start (rayon then panics on first use)
+    let res = cli::limits::init_threads(cli.threads).and_then(|()| match cli.cmd {
         Cmd::Generate(a) => cli::run::generate(a),
         Cmd::Score(a) => cli::run::score(a),
         Cmd::Bench(a) => cli::bench::bench(a),
@@ -62,7 +63,7 @@ fn main() {
         Cmd::Rollout(a) => cli::agent::rollout(a),
         Cmd::Eval(a) => cli::agent::eval(a),
         Cmd::Device(a) => cli::device::device(a),
-    };
+    });
     infomem_engine::util::prof::report();
     if let Err(e) = res {
         eprintln!("error: {e}");

@@ -49,7 +49,7 @@ fn wait_for_checkpoint(out: &Path, step: usize, child: &mut std::process::Child)
 
 #[test]
 fn interrupt_kill_and_resume() {
-    let (_t, model) = tiny_with_tokenizer("llama");
+    let (_t, model) = tiny_for_agent("llama");
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data.jsonl");
     write_data(&data);

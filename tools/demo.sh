@@ -28,7 +28,9 @@ if [ -f "$OUT/train/adapter/adapter_model.safetensors" ]; then
 elif [ -d "$OUT/train/checkpoints" ]; then
   $B train --config examples/demo-train.toml --out "$OUT/train" --resume "$@"
 else
-  $B train --config examples/demo-train.toml --model "$SMOL" --data "$OUT/train.jsonl" --out "$OUT/train" "$@"
+  # a run stopped before its first checkpoint left a non-empty --out: start it over
+  OVERWRITE=(); [ -d "$OUT/train" ] && OVERWRITE=(--overwrite)
+  $B train --config examples/demo-train.toml --model "$SMOL" --data "$OUT/train.jsonl" --out "$OUT/train" "${OVERWRITE[@]}" "$@"
 fi
 
 echo "== trained adapter on the same held-out questions (greedy)"

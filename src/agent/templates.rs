@@ -111,6 +111,12 @@ impl PromptPlan {
         Ok(PromptPlan { pieces })
     }
 
+    /// Tokens of the literal pieces: the prompt's length with every slot empty (what the
+    /// template itself costs, for checking budgets against the model's positions).
+    pub fn literal_len(&self) -> usize {
+        self.pieces.iter().map(|p| if let Piece::Lit(v) = p { v.len() } else { 0 }).sum()
+    }
+
     /// Ids of the prompt with the slots filled, and the length of the prefix before the first
     /// memory slot (the part shared by all rollouts of a group).
     pub fn build(&self, question: &[u32], chunk: &[u32], memory: &[u32]) -> (Vec<u32>, usize) {

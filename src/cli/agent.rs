@@ -1,4 +1,5 @@
 //! `rollout` and `eval`: the memory agent over a dataset.
+use super::limits::{self, Budgets, Held, Scored};
 use super::{print_json, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -130,6 +131,29 @@ pub struct EvalArgs {
     pub json: bool,
 }
 
+impl AgentArgs {
+    pub fn budgets(&self) -> Budgets {
+        Budgets { chunk_tokens: self.chunk_tokens, memory_tokens: self.memory_tokens, answer_tokens: self.answer_tokens }
+    }
+}
+
+/// Every file the command reads: an output must not be one of them.
+fn inputs(m: &ModelArgs, a: &AgentArgs, data: &[PathBuf]) -> Vec<PathBuf> {
+    let mut v = data.to_vec();
+    v.extend(limits::model_files(&m.model));
+    v.extend(m.adapter.iter().flat_map(|d| limits::model_files(d)));
+    v.extend(a.templates.iter().cloned());
+    v
+}
+
+/// The agent's budgets against the model's positions and the trajectories against memory,
+/// before any rollout (`limits::check_agent_plan`); returns each record's document tokens.
+fn check_plan<B: Backend>(model: &Model<B>, a: &AgentArgs, templates: &Templates, recs: &[QaRecord], scored: Scored, group: usize) -> Result<Vec<usize>> {
+    let name = model.dir.display().to_string();
+    let held = Held { queries: recs.len(), group };
+    limits::check_agent_plan(&model.cfg, &name, model.tokenizer()?, templates, recs, &a.budgets(), scored, held)
+}
+
 pub fn load_templates(a: &AgentArgs) -> Result<Templates> {
     match &a.templates {
         Some(p) => Templates::load(p),
@@ -146,6 +170,10 @@ pub fn read_data<B: Backend>(model: &Model<B>, path: &Path, d: &DataArgs, pad: O
             eprintln!("  line {line}: {why}");
         }
     }
+    // e.g. records padded to well under the target: their rows are labelled with the target
+    for w in &report.warnings {
+        eprintln!("warning: {}: {w}", path.display());
+    }
     if let Some(n) = d.limit {
         recs.truncate(n);
     }
@@ -155,21 +183,21 @@ pub fn read_data<B: Backend>(model: &Model<B>, path: &Path, d: &DataArgs, pad: O
     Ok(recs)
 }
 
-/// Run the agent over `queries` in batches of `batch_queries`, with a progress bar.
+/// Run the agent over `queries` (whose documents are `doc_tokens` long, from `check_plan`) in
+/// batches of `batch_queries`, with a progress bar.
 pub fn run_batches<B: Backend>(
     model: &Model<B>,
     queries: &[QaRecord],
+    doc_tokens: &[usize],
     cfg: &AgentConfig,
     a: &AgentArgs,
     templates: &Templates,
     label: &str,
 ) -> Result<(Vec<Vec<Trajectory>>, RolloutStats)> {
     let bq = a.batch_queries.max(1);
-    let tok = model.tokenizer()?;
     let mut total_convs = 0u64;
-    for q in queries {
-        let n_tok = tok.encode(&q.context)?.len();
-        total_convs += (cfg.group_size * (n_tok.div_ceil(cfg.chunk_tokens) + 1)) as u64;
+    for &n_tok in doc_tokens {
+        total_convs = total_convs.saturating_add((cfg.group_size as u64).saturating_mul(n_tok.div_ceil(cfg.chunk_tokens) as u64 + 1));
     }
     let pb = progress::bar(total_convs, "conversations");
     pb.set_message(label.to_string());
@@ -179,8 +207,10 @@ pub fn run_batches<B: Backend>(
     for (bi, batch) in queries.chunks(bq).enumerate() {
         // KV: every live conversation of the batch plus the shared prefixes, with page slack.
         let longest = batch.iter().map(|q| q.question.len() / 2 + 64).max().unwrap_or(64);
-        let per_conv = 400 + longest + 2 * cfg.chunk_tokens.min(8192) + cfg.memory_tokens + cfg.answer_tokens;
-        let need = a.kv_tokens.unwrap_or(batch.len() * (cfg.group_size + 3) * per_conv);
+        // saturating: the budgets were checked against the model's positions, but a size that
+        // overflows must stay huge rather than wrap to a small cache
+        let per_conv = (400 + longest + 2 * cfg.chunk_tokens.min(8192)).saturating_add(cfg.memory_tokens).saturating_add(cfg.answer_tokens);
+        let need = a.kv_tokens.unwrap_or(batch.len().saturating_mul(cfg.group_size.saturating_add(3)).saturating_mul(per_conv));
         let mut kv = runtime::kv_for(model, need)?;
         let mut c = cfg.clone();
         c.seed = cfg.seed.wrapping_add((bi as u64) << 32);
@@ -235,7 +265,31 @@ fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, 
 }
 
 pub fn rollout(a: RolloutArgs) -> Result<()> {
+    check_rollout_args(&a)?;
     crate::with_model!(a.model, |model| rollout_on(&model, &a))
+}
+
+/// Every flag that needs no model, before loading it: budgets, sampling, reward weight, and an
+/// --out that can be written and is not an input.
+fn check_rollout_args(a: &RolloutArgs) -> Result<()> {
+    a.agent.budgets().check()?;
+    if a.group_size == 0 {
+        bail!("--group-size must be at least 1 (got 0)");
+    }
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature must be a number ≥ 0 (0 = greedy), got {}", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    if !a.beta.is_finite() {
+        bail!("--beta must be a finite number, got {}", a.beta);
+    }
+    if a.pad_to_tokens == Some(0) {
+        bail!("--pad-to-tokens must be at least 1 (got 0)");
+    }
+    limits::check_writable_file("--out", &a.out)?;
+    limits::check_not_input("--out", &a.out, &inputs(&a.model, &a.agent, std::slice::from_ref(&a.data)))
 }
 
 fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
@@ -248,7 +302,9 @@ fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
         memory_curve: a.memory_curve,
         ..agent_config(&a.agent, a.group_size, a.temperature, a.top_p, a.seed)
     };
-    let (mut groups, st) = run_batches(model, &recs, &cfg, &a.agent, &templates, "rollout")?;
+    let scored = Scored { gold: cfg.answer_gain, question: cfg.query_gain };
+    let docs = check_plan(model, &a.agent, &templates, &recs, scored, a.group_size)?;
+    let (mut groups, st) = run_batches(model, &recs, &docs, &cfg, &a.agent, &templates, "rollout")?;
     let mut out = Vec::new();
     for (g, rec) in groups.iter_mut().zip(&recs) {
         let signals: Vec<_> = g.iter().map(Trajectory::reward_signals).collect();
@@ -314,7 +370,19 @@ fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
     Ok(())
 }
 
+/// What `eval` writes into --out (eval::write_report and `predictions.jsonl`).
+const EVAL_OUTPUTS: [&str; 5] = ["predictions.jsonl", "results.json", "results.md", "accuracy.png", "memory_curve.png"];
+
 pub fn eval(a: EvalArgs) -> Result<()> {
+    a.agent.budgets().check()?;
+    if a.lengths.contains(&0) {
+        bail!("--lengths: 0 is not a length to pad to (each must be at least 1 token)");
+    }
+    limits::check_writable_dir("--out", &a.out)?;
+    let ins = inputs(&a.model, &a.agent, &a.data);
+    for name in EVAL_OUTPUTS {
+        limits::check_not_input("--out", &a.out.join(name), &ins)?;
+    }
     crate::with_model!(a.model, |model| eval_on(&model, &a))
 }
 
@@ -344,7 +412,9 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
             }
         }
     }
-    let (groups, st) = run_batches(model, &recs, &cfg, &a.agent, &templates, "eval")?;
+    let scored = Scored { gold: cfg.answer_gain, question: cfg.query_gain };
+    let docs = check_plan(model, &a.agent, &templates, &recs, scored, 1)?;
+    let (groups, st) = run_batches(model, &recs, &docs, &cfg, &a.agent, &templates, "eval")?;
     let evaluated: Vec<eval::Evaluated> =
         items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
     let rows = eval::summarize(&evaluated);

@@ -1,5 +1,5 @@
 //! `data synth`, `data inspect`, `data convert`: make and look at the agent's datasets.
-use super::print_json;
+use super::{limits, print_json};
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use infomem_engine::data::{
@@ -169,7 +169,6 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
     if a.essays_dir.is_some() && a.filler != FillerKind::Essays {
         bail!("--essays-dir needs --filler essays");
     }
-    let tok = tokenizer(&a.model)?;
     let cfg = SynthConfig {
         task: a.task,
         tokens: a.tokens,
@@ -185,6 +184,16 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
         essays_dir: a.essays_dir.clone(),
         chars_per_token: a.chars_per_token,
     };
+    // sizes, then the output, before any work
+    cfg.validate()?;
+    limits::check_synth_fits(a.tokens, a.count)?;
+    limits::check_writable_file("--out", &a.out)?;
+    let mut inputs: Vec<PathBuf> = a.model.iter().flat_map(|d| limits::model_files(d)).collect();
+    if a.filler == FillerKind::Essays {
+        inputs.push(a.essays_dir.clone().unwrap_or_else(synth::default_essays_dir));
+    }
+    limits::check_not_input("--out", &a.out, &inputs)?;
+    let tok = tokenizer(&a.model)?;
     let records = synth::synthesize(&cfg, tok.as_ref())?;
     data::write_jsonl(&a.out, &records)?;
     let tokens: Vec<usize> =
@@ -219,6 +228,9 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
 }
 
 fn read_with(r: &ReadArgs, tok: Option<&TextTokenizer>) -> Result<(Vec<QaRecord>, data::ReadReport)> {
+    if r.pad_to_tokens == Some(0) {
+        bail!("--pad-to-tokens must be at least 1 (got 0)");
+    }
     let opts = ReadOptions {
         skip_bad: r.skip_bad,
         pad_to_tokens: r.pad_to_tokens,
@@ -310,6 +322,9 @@ fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 fn convert(a: ConvertArgs) -> Result<()> {
+    limits::check_writable_file("--out", &a.out)?;
+    let inputs: Vec<PathBuf> = std::iter::once(a.read.data.clone()).chain(a.read.model.iter().flat_map(|d| limits::model_files(d))).collect();
+    limits::check_not_input("--out", &a.out, &inputs)?;
     let tok = tokenizer(&a.read.model)?;
     let (records, report) = read_with(&a.read, tok.as_ref())?;
     data::write_jsonl(&a.out, &records)?;

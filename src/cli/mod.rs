@@ -3,6 +3,7 @@ pub mod agent;
 pub mod bench;
 pub mod data;
 pub mod device;
+pub mod limits;
 pub mod reward;
 pub mod run;
 pub mod train;

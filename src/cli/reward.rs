@@ -18,9 +18,9 @@ pub struct RewardArgs {
 }
 
 pub fn reward(a: RewardArgs) -> Result<()> {
+    anyhow::ensure!(a.beta.is_finite(), "--beta must be a finite number, got {}", a.beta);
     let text = std::fs::read_to_string(&a.groups).with_context(|| format!("cannot read {}", a.groups.display()))?;
     let groups = reward::parse_groups(&text, &a.groups.display().to_string())?;
-    anyhow::ensure!(a.beta.is_finite(), "--beta must be a finite number");
     for g in groups {
         let r = reward::combine(a.mode, &g.outcomes, &g.gains, a.beta);
         println!("{}", serde_json::json!({ "final_rewards": r }));

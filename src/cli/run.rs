@@ -86,23 +86,36 @@ pub struct ImportArgs {
     pub out: PathBuf,
 }
 
-fn check_len<B: Backend>(m: &Model<B>, what: &str, ids: &[u32], extra: usize) -> Result<()> {
+/// `ids` must be non-empty, in the vocabulary, and fit the model's positions together with
+/// `extra` more tokens (`extra_what`: the flag that sets them, or what they are, for the message).
+fn check_len<B: Backend>(m: &Model<B>, what: &str, ids: &[u32], extra: usize, extra_what: &str) -> Result<()> {
     if ids.is_empty() {
         bail!("{what} is empty");
     }
     check_ids(ids, m.cfg.vocab, what)?;
-    let total = ids.len() + extra;
-    if total > m.cfg.max_position {
-        bail!(
-            "{what} is too long: {} tokens + {extra} more exceed the model's max_position_embeddings {}",
-            ids.len(),
-            m.cfg.max_position
-        );
+    let max = m.cfg.max_position;
+    if ids.len() > max {
+        bail!("{what} is too long: {} tokens exceed the model's max_position_embeddings {max}", ids.len());
+    }
+    // compared as room left, not as a sum: a huge `extra` must not wrap around (2^64 − 2 new
+    // tokens would otherwise pass and fail later as a full KV cache)
+    let room = max - ids.len();
+    if extra > room {
+        let (added, limit) = if extra_what.starts_with("--") {
+            (format!("{extra_what} {extra}"), format!("{extra_what} can be at most {room} after it"))
+        } else {
+            (format!("{extra} {extra_what}"), format!("at most {room} {extra_what} fit after it"))
+        };
+        bail!("{what} is too long: {} tokens + {added} exceed the model's max_position_embeddings {max}; {limit}", ids.len());
     }
     Ok(())
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    // an empty stop string matches everywhere: generation would stop after one token
+    if a.stop.iter().any(String::is_empty) {
+        bail!("--stop: an empty string is not a stop string (it would stop after the first token)");
+    }
     crate::with_model!(a.model, |model| generate_on(&model, &a))
 }
 
@@ -115,7 +128,7 @@ fn generate_on<B: Backend>(model: &Model<B>, a: &GenerateArgs) -> Result<()> {
         let c = a.chat.as_deref().unwrap_or_default();
         model.tokenizer()?.encode_chat(&[ChatMessage::user(c)], true)?
     };
-    check_len(model, "the prompt", &prompt, a.max_new_tokens)?;
+    check_len(model, "the prompt", &prompt, a.max_new_tokens, "--max-new-tokens")?;
     let params = match (a.greedy, a.temperature) {
         (true, _) | (false, None) => SampleParams::GREEDY,
         (false, Some(t)) => {
@@ -190,8 +203,8 @@ fn score_on<B: Backend>(model: &Model<B>, a: &ScoreArgs) -> Result<()> {
         let t = a.target.as_deref().unwrap_or_default();
         model.tokenizer()?.encode(t)?
     };
-    check_len(model, "the target", &target, 0)?;
-    check_len(model, "the context", &context, target.len())?;
+    check_len(model, "the target", &target, 0, "")?;
+    check_len(model, "the context", &context, target.len(), "target tokens")?;
     let mut kv = runtime::kv_for(model, context.len() + target.len())?;
     let req = ScoreRequest { seq: Seq::default(), context: context.clone(), targets: target.clone(), keep_seq: false };
     let out = runtime::score(model, &mut kv, vec![req], SchedOptions { max_batch_tokens: 4096 })?.remove(0);

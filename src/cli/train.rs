@@ -12,6 +12,7 @@ use infomem_engine::rl::trainer::{self, TrainConfig, Trainer};
 use infomem_engine::runtime::Model;
 use infomem_engine::util::progress;
 use serde_json::json;
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -40,6 +41,7 @@ pub fn grpo_grad(a: GrpoGradArgs) -> Result<()> {
     let model = a.model.load_cpu()?;
     let text = std::fs::read_to_string(&a.batch).with_context(|| format!("cannot read batch file {}", a.batch.display()))?;
     let batch = grpo::parse_batch(&text, model.cfg.vocab).with_context(|| format!("batch file {}", a.batch.display()))?;
+    super::limits::check_conversations_fit(&batch.conversations, model.cfg.max_position).with_context(|| format!("batch file {}", a.batch.display()))?;
     let (stats, grads) = grpo::loss_and_grads(&model, &batch.conversations, &batch.cfg)?;
     let tensors = grads.to_peft(&model)?;
     if let Some((k, _)) = tensors.iter().find(|(_, t)| t.data.iter().any(|v| !v.is_finite())) {
@@ -79,10 +81,12 @@ pub struct TrainArgs {
     /// TOML file with any of the options below (snake_case keys, e.g. `queries_per_step = 4`).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Continue the run in --out from its newest checkpoint (its saved configuration is used;
-    /// only --steps, --save-every and --keep-checkpoints may change).
+    /// Continue the run in --out from its newest checkpoint with its saved settings; only --steps, --save-every and --keep-checkpoints may change (any other flag or config value that differs is refused, as is changed data).
     #[arg(long)]
     pub resume: bool,
+    /// Start a fresh run in a non-empty --out: first delete the previous run's checkpoints/, adapter/, metrics.jsonl, config.toml and curves.png there (other files stay).
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
     /// HF model directory.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -191,16 +195,21 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    pub fn config(&self) -> Result<TrainConfig> {
+    /// The configuration, and the settings given explicitly (config-file keys and flags): what
+    /// `--resume` checks against the checkpoint.
+    pub fn config_and_explicit(&self) -> Result<(TrainConfig, BTreeSet<String>)> {
+        let mut explicit = BTreeSet::new();
         let mut c = match &self.config {
             Some(p) => {
                 let text = std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?;
-                toml::from_str::<TrainConfig>(&text).with_context(|| format!("config {}", p.display()))?
+                let c = toml::from_str::<TrainConfig>(&text).with_context(|| format!("config {}", p.display()))?;
+                explicit.extend(toml::from_str::<toml::Table>(&text).with_context(|| format!("config {}", p.display()))?.keys().cloned());
+                c
             }
             None => TrainConfig::default(),
         };
         macro_rules! set {
-            ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone().into(); } )* };
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone().into(); explicit.insert(stringify!($f).to_string()); } )* };
         }
         set!(steps, queries_per_step, group_size, chunk_tokens, memory_tokens, answer_tokens, temperature, top_p, extract, matcher, reward, beta,
              adv_norm, clip_low, clip_high, kl_coef, lr, warmup_steps, schedule, weight_decay, grad_clip, micro_batch_tokens, max_batch_tokens,
@@ -208,21 +217,31 @@ impl TrainArgs {
         if let Some(v) = &self.out {
             c.out = v.clone();
         }
-        for (dst, src) in [(&mut c.model, &self.model), (&mut c.data, &self.data), (&mut c.init_adapter, &self.init_adapter), (&mut c.templates, &self.templates)] {
+        for (key, dst, src) in [("model", &mut c.model, &self.model), ("data", &mut c.data, &self.data), ("init_adapter", &mut c.init_adapter, &self.init_adapter), ("templates", &mut c.templates, &self.templates)] {
             if src.is_some() {
                 *dst = src.clone();
+                explicit.insert(key.to_string());
             }
         }
-        Ok(c)
+        Ok((c, explicit))
     }
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
     infomem_engine::util::interrupt::install();
-    let cfg = a.config()?;
-    trainer::check_fresh_out(&cfg.out, a.resume)?;
-    // the run's model and data: from the checkpoint when resuming
-    let run_cfg = if a.resume { trainer::saved_config(&cfg.out)? } else { cfg.clone() };
+    let (cfg, explicit) = a.config_and_explicit()?;
+    if a.resume && !cfg.out.is_dir() {
+        anyhow::bail!("--resume: --out {} is not a directory with a training run (no such directory)", cfg.out.display());
+    }
+    // settings first: a bad value is refused before the directory is touched
+    if !a.resume {
+        cfg.validate()?;
+    }
+    // one run per directory for the whole run (released when the process ends, however it ends)
+    let _lock = infomem_engine::util::lock::lock_dir(&cfg.out, "--out")?;
+    trainer::check_fresh_out(&cfg.out, a.resume, a.overwrite)?;
+    // the run's model and data: from the checkpoint when resuming (changed settings refused)
+    let run_cfg = if a.resume { trainer::resume_config(&cfg, &explicit)? } else { cfg.clone() };
     run_cfg.validate()?;
     let model_dir = run_cfg.model.clone().unwrap();
     match a.backend {
@@ -282,6 +301,17 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
     if !report.skipped.is_empty() {
         eprintln!("{}: skipped {} malformed records", data_path.display(), report.skipped.len());
     }
+    // sizes that cannot fit are refused before anything is allocated: every record's
+    // conversations against max_position_embeddings, a step's rollouts and the adapter in memory
+    let b = super::limits::Budgets { chunk_tokens: run_cfg.chunk_tokens, memory_tokens: run_cfg.memory_tokens, answer_tokens: run_cfg.answer_tokens };
+    let scored = super::limits::Scored { gold: true, question: run_cfg.reward.signal() == infomem_engine::reward::Signal::QueryGain };
+    let templates = match &run_cfg.templates {
+        Some(p) => infomem_engine::agent::Templates::load(p)?,
+        None => infomem_engine::agent::Templates::default(),
+    };
+    let held = super::limits::Held { queries: run_cfg.queries_per_step, group: run_cfg.group_size };
+    super::limits::check_agent_plan(&model.cfg, &model_dir.display().to_string(), model.tokenizer()?, &templates, &recs, &b, scored, held)?;
+    super::limits::check_lora_fits(&model.cfg, run_cfg.lora_r, &run_cfg.targets()?)?;
     let n_records = recs.len();
     let mut t = Trainer::new(cfg, a.resume, recs, move |_| Ok(model))?;
     let pb = progress::bar(t.cfg.steps as u64, "steps");
@@ -327,9 +357,30 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
             eprintln!("done: adapter in {}, metrics in {}, curves in {}", t.cfg.out.join("adapter").display(), t.cfg.out.join("metrics.jsonl").display(), t.cfg.out.join("curves.png").display());
             Ok(())
         }
-        Err(e) if infomem_engine::util::interrupt::is_interrupted(&e) => std::process::exit(130),
+        // 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP (the checkpoint is saved)
+        Err(e) if infomem_engine::util::interrupt::is_interrupted(&e) => std::process::exit(infomem_engine::util::interrupt::exit_code()),
         Err(e) => Err(e),
     }
+}
+
+/// Refuse an existing, non-empty directory (a missing or empty one is fine).
+fn check_empty_out(out: &std::path::Path) -> Result<()> {
+    let mut names: Vec<String> = match std::fs::read_dir(out) {
+        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("--out {} cannot be read as a directory", out.display())),
+    };
+    if !names.is_empty() {
+        names.sort();
+        let more = if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() };
+        names.truncate(8);
+        anyhow::bail!(
+            "--out {} is not empty (it has {}{more}): merge writes a complete model directory and never mixes with old files; choose a new or empty directory",
+            out.display(),
+            names.join(", ")
+        );
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -340,7 +391,7 @@ pub struct MergeArgs {
     /// PEFT LoRA adapter directory.
     #[arg(long)]
     pub adapter: PathBuf,
-    /// Output HF model directory (model.safetensors in f32, config and tokenizer files copied).
+    /// Output HF model directory, new or empty (model.safetensors in f32, config and tokenizer files copied).
     #[arg(long)]
     pub out: PathBuf,
 }
@@ -349,12 +400,24 @@ pub fn merge(a: MergeArgs) -> Result<()> {
     use infomem_engine::model::config::ModelConfig;
     use infomem_engine::model::lora::LoraAdapter;
     use infomem_engine::model::weights::ModelWeights;
+    if a.out.canonicalize().ok() == a.model.canonicalize().ok() {
+        anyhow::bail!("--out must differ from --model (the base directory is never overwritten)");
+    }
+    // a complete model directory or nothing: stale files (a shard index, old shards) would be
+    // loaded instead of, or mixed with, the merged weights
+    check_empty_out(&a.out)?;
     let cfg = ModelConfig::load(&a.model)?;
     let mut w = ModelWeights::load(&a.model, &cfg)?;
     let adapter = LoraAdapter::load(&a.adapter, &cfg)?;
+    let scale = adapter.scale();
+    anyhow::ensure!(scale.is_finite(), "adapter {}: its scale lora_alpha / r = {} / {} is not finite; refusing to merge", a.adapter.display(), adapter.alpha, adapter.r);
+    if let Some((k, _)) = adapter.to_peft_tensors().iter().find(|(_, t)| t.data.iter().any(|v| !v.is_finite())) {
+        anyhow::bail!("adapter {}: tensor {k} has non-finite values (NaN or infinity); refusing to merge it into {}", a.adapter.display(), a.model.display());
+    }
     adapter.merge_into(&mut w, &cfg);
-    if a.out.canonicalize().ok() == a.model.canonicalize().ok() {
-        anyhow::bail!("--out must differ from --model (the base directory is never overwritten)");
+    let merged = w.to_hf(&cfg);
+    if let Some((k, _)) = merged.iter().find(|(_, t)| t.data.iter().any(|v| !v.is_finite())) {
+        anyhow::bail!("merged weight {k} has non-finite values (the base weight or the adapter's product overflows f32); nothing was written to {}", a.out.display());
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
     for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "special_tokens_map.json"] {
@@ -365,7 +428,7 @@ pub fn merge(a: MergeArgs) -> Result<()> {
     }
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    write_safetensors(&a.out.join("model.safetensors"), &w.to_hf(&cfg), Some(meta))?;
+    write_safetensors(&a.out.join("model.safetensors"), &merged, Some(meta))?;
     // config last: a directory with config.json is complete
     let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.model.join("config.json"))?)?;
     c["torch_dtype"] = json!("float32");

@@ -41,11 +41,21 @@ impl QaRecord {
     }
 }
 
-/// Write records as JSONL (one record a line, `\n`-terminated), atomically.
+/// Write records as JSONL (one record a line, `\n`-terminated), atomically. A record whose line
+/// the readers would refuse (over [`read::MAX_LINE_BYTES`]) is an error, not an unreadable file.
 pub fn write_jsonl(path: &Path, records: &[QaRecord]) -> Result<()> {
     let mut out = String::new();
     for r in records {
-        out.push_str(&r.to_json_line());
+        let line = r.to_json_line();
+        anyhow::ensure!(
+            line.len() <= read::MAX_LINE_BYTES,
+            "{}: record {} would be a line of {} MiB, over the {} MiB the readers accept",
+            path.display(),
+            r.id,
+            line.len() >> 20,
+            read::MAX_LINE_BYTES >> 20
+        );
+        out.push_str(&line);
         out.push('\n');
     }
     crate::util::fs::write_atomic_str(path, &out).with_context(|| format!("cannot write {}", path.display()))

@@ -11,7 +11,8 @@
 //!
 //! A file whose first character is `[` is a JSON array (HotpotQA's distractor files are detected
 //! by their `supporting_facts` and list-valued contexts); anything else is JSONL. Errors name the
-//! file and the 1-based line (of the JSONL line, or where the array element starts).
+//! file and the 1-based line (of the JSONL line, or where the array element starts). A JSONL line
+//! may be at most [`MAX_LINE_BYTES`] long.
 use super::{QaRecord, TokenCounter, DEFAULT_CHARS_PER_TOKEN};
 use crate::model::tokenizer::TextTokenizer;
 use crate::util::rng::Rng;
@@ -20,6 +21,12 @@ use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+
+/// Longest JSONL line (one record) the reader accepts: 32 MiB, about 7M tokens of English text.
+/// Records are parsed and later tokenized whole, and tokenizing takes hundreds of bytes per
+/// token (a 50 MB line took 13.7 GB), so a longer line is refused rather than risking the
+/// machine's memory. `synth::MAX_TOKENS` keeps synthetic records under it.
+pub const MAX_LINE_BYTES: usize = 32 << 20;
 
 #[derive(Clone, Copy, Default)]
 pub struct ReadOptions<'a> {
@@ -278,6 +285,9 @@ fn line_of(text: &str, byte: usize) -> usize {
 
 /// Read a file of records. See the module doc for the accepted shapes.
 pub fn read_records(path: &Path, opts: ReadOptions) -> Result<(Vec<QaRecord>, ReadReport)> {
+    if opts.pad_to_tokens == Some(0) {
+        bail!("padding to 0 tokens: the target length must be at least 1 token");
+    }
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let stem = path.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
     let shown = path.display();
@@ -316,6 +326,11 @@ pub fn read_records(path: &Path, opts: ReadOptions) -> Result<(Vec<QaRecord>, Re
         for (k, raw) in body.split(|&c| c == b'\n').enumerate() {
             let line = k + 1;
             let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+            if raw.len() > MAX_LINE_BYTES {
+                let why = format!("line of {:.1} MiB, longer than the {} MiB a record may take", raw.len() as f64 / (1 << 20) as f64, MAX_LINE_BYTES >> 20);
+                fail(&mut report, line, why)?;
+                continue;
+            }
             if raw.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }

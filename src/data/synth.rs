@@ -75,6 +75,12 @@ pub enum VarQuestion {
     Which,
 }
 
+/// Longest synthetic document, in tokens. A record is one JSONL line and the readers cap lines
+/// at `read::MAX_LINE_BYTES` (32 MiB): 4M tokens of English text (4.4–4.75 characters a token)
+/// is about 19 MB, which leaves room for the JSON around it. It also keeps the sizing arithmetic
+/// far from overflow (`--tokens 2^64-1` used to give 11-token documents).
+pub const MAX_TOKENS: usize = 4_000_000;
+
 #[derive(Clone, Debug)]
 pub struct SynthConfig {
     pub task: Task,
@@ -133,9 +139,16 @@ impl SynthConfig {
         })
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Check every field (called by [`synthesize`]; callers may call it first to fail early).
+    pub fn validate(&self) -> Result<()> {
         ensure!(self.count > 0, "--count must be at least 1");
         ensure!(self.tokens >= 64, "--tokens {} is too small (at least 64)", self.tokens);
+        ensure!(
+            self.tokens <= MAX_TOKENS,
+            "--tokens {} is too large (at most {MAX_TOKENS}: a record is one JSONL line, and readers take lines of at most {} MiB)",
+            self.tokens,
+            super::read::MAX_LINE_BYTES >> 20
+        );
         ensure!((3..=12).contains(&self.digits), "--digits must be between 3 and 12, got {}", self.digits);
         ensure!(
             self.chars_per_token.is_finite() && self.chars_per_token > 0.5,

@@ -54,6 +54,7 @@ pub struct ModelConfig {
 impl ModelConfig {
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
+        super::weights::stat(&path)?; // a symlink loop is named as such
         let text = std::fs::read_to_string(&path).with_context(|| {
             format!("cannot read {} (is {} an HF model directory?)", path.display(), dir.display())
         })?;
@@ -63,7 +64,7 @@ impl ModelConfig {
     }
 
     pub fn from_json(v: &Value) -> Result<Self> {
-        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let model_type = opt_str(v, "model_type")?.unwrap_or("");
         let archs: Vec<&str> = v
             .get("architectures")
             .and_then(Value::as_array)
@@ -80,63 +81,78 @@ impl ModelConfig {
                 archs
             ),
         };
+        // Sizes are positive integers: 0 would give empty matrices and a model that silently
+        // outputs nothing useful.
         let get_usize = |k: &str| -> Result<usize> {
             let x = v.get(k).with_context(|| format!("missing field {k:?}"))?;
-            x.as_u64()
-                .map(|n| n as usize)
-                .with_context(|| format!("field {k:?} must be a non-negative integer, got {x}"))
+            match x.as_u64() {
+                Some(n) if n > 0 => Ok(n as usize),
+                _ => bail!("field {k:?} must be a positive integer, got {x}"),
+            }
         };
         let hidden = get_usize("hidden_size")?;
         let n_heads = get_usize("num_attention_heads")?;
-        let n_kv_heads = match v.get("num_key_value_heads") {
-            Some(Value::Null) | None => n_heads,
+        let n_kv_heads = match field(v, "num_key_value_heads") {
+            None => n_heads,
             Some(_) => get_usize("num_key_value_heads")?,
         };
-        let head_dim = match v.get("head_dim") {
-            Some(Value::Null) | None => {
-                if n_heads == 0 || hidden % n_heads != 0 {
+        let head_dim = match field(v, "head_dim") {
+            None => {
+                if hidden % n_heads != 0 {
                     bail!("hidden_size {hidden} is not divisible by num_attention_heads {n_heads}");
                 }
                 hidden / n_heads
             }
             Some(_) => get_usize("head_dim")?,
         };
-        if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        if n_heads % n_kv_heads != 0 {
             bail!("num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}");
         }
         if head_dim % 2 != 0 {
             bail!("head_dim {head_dim} must be even for RoPE");
         }
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+        if let Some(act) = opt_str(v, "hidden_act")? {
             if act != "silu" {
                 bail!("hidden_act {act:?} is not supported (only silu / SwiGLU)");
             }
         }
-        if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
+        if opt_bool(v, "mlp_bias")? == Some(true) {
             bail!("mlp_bias = true is not supported");
         }
-        if arch == Arch::Qwen2 && v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        if arch == Arch::Qwen2 && opt_bool(v, "use_sliding_window")? == Some(true) {
             bail!("use_sliding_window = true is not supported (sliding-window attention)");
         }
 
         // rope: transformers 5 writes `rope_parameters`, older checkpoints `rope_theta` + `rope_scaling`.
-        let rp = v.get("rope_parameters").filter(|x| x.is_object());
-        let rope_theta = rp
-            .and_then(|p| p.get("rope_theta"))
-            .or_else(|| v.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0);
-        let scaling_block = rp.or_else(|| v.get("rope_scaling").filter(|x| x.is_object()));
+        let rp = opt_object(v, "rope_parameters")?;
+        let rope_theta = match rp.map(|p| opt_f64(p, "rope_theta")).transpose()?.flatten() {
+            Some(t) => t,
+            None => opt_f64(v, "rope_theta")?.unwrap_or(10000.0),
+        };
+        // theta ≤ 0 gives NaN frequencies: every logit NaN, and generation would emit token 0.
+        if !(rope_theta > 0.0 && rope_theta.is_finite()) {
+            bail!("rope_theta must be a positive number (got {rope_theta}); HF models use values like 10000 or 500000");
+        }
+        let scaling_block = match rp {
+            Some(p) => Some(p),
+            None => opt_object(v, "rope_scaling")?,
+        };
         let rope_scaling = match scaling_block {
             None => RopeScaling::None,
             Some(s) => {
-                let ty = s
-                    .get("rope_type")
-                    .or_else(|| s.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
+                let ty = match opt_str(s, "rope_type")? {
+                    Some(t) => t,
+                    None => opt_str(s, "type")?.unwrap_or("default"),
+                };
+                // every scaling parameter divides or scales a frequency: positive and finite
                 let f = |k: &str| -> Result<f64> {
-                    s.get(k).and_then(Value::as_f64).with_context(|| format!("rope {ty}: missing {k:?}"))
+                    let x = opt_f64(s, k)
+                        .with_context(|| format!("rope {ty}"))?
+                        .with_context(|| format!("rope {ty}: missing {k:?}"))?;
+                    if !(x > 0.0 && x.is_finite()) {
+                        bail!("rope {ty}: {k:?} must be a positive number, got {x}");
+                    }
+                    Ok(x)
                 };
                 match ty {
                     "default" => RopeScaling::None,
@@ -151,15 +167,34 @@ impl ModelConfig {
                 }
             }
         };
-        let id = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as u32);
-        let eos_token_ids = match v.get("eos_token_id") {
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
-            Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        let vocab = get_usize("vocab_size")?;
+        // A token id names a row of the embeddings: one past the vocabulary would be read out of
+        // bounds (or never match), so it is refused here rather than at the first use.
+        let token_id = |k: &str, x: &Value| -> Result<u32> {
+            match x.as_u64() {
+                Some(t) if (t as usize) < vocab => Ok(t as u32),
+                _ => bail!("field {k:?} must be a token id in 0..{vocab} (vocab_size), got {x}"),
+            }
+        };
+        let bos_token_id = field(v, "bos_token_id").map(|x| token_id("bos_token_id", x)).transpose()?;
+        let eos_token_ids = match field(v, "eos_token_id") {
+            Some(Value::Array(a)) => a.iter().map(|x| token_id("eos_token_id", x)).collect::<Result<_>>()?,
+            Some(x) => vec![token_id("eos_token_id", x)?],
             None => vec![],
         };
         let qkv_bias = match arch {
             Arch::Qwen2 => true,
-            Arch::Llama => v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+            Arch::Llama => opt_bool(v, "attention_bias")?.unwrap_or(false),
+        };
+        // Missing eps: HF's LlamaConfig default. A value that is not a positive f32 (0, negative,
+        // below f32's range) makes rmsnorm divide by zero or take the root of a negative: NaN.
+        let rms_eps = opt_f64(v, "rms_norm_eps")?.unwrap_or(1e-6);
+        if !(rms_eps > 0.0 && (rms_eps as f32) > 0.0 && (rms_eps as f32).is_finite()) {
+            bail!("rms_norm_eps must be a positive number (got {rms_eps}); HF models use values like 1e-5 or 1e-6");
+        }
+        let max_position = match field(v, "max_position_embeddings") {
+            None => 4096,
+            Some(_) => get_usize("max_position_embeddings")?,
         };
         let cfg = ModelConfig {
             arch,
@@ -169,21 +204,31 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            vocab: get_usize("vocab_size")?,
-            rms_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
+            vocab,
+            rms_eps: rms_eps as f32,
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            tie_word_embeddings: opt_bool(v, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
-            max_position: v.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
-            bos_token_id: id("bos_token_id"),
+            max_position,
+            bos_token_id,
             eos_token_ids,
         };
-        for (name, x) in [("hidden_size", cfg.hidden), ("intermediate_size", cfg.intermediate),
-            ("num_hidden_layers", cfg.n_layers), ("vocab_size", cfg.vocab)] {
-            if x == 0 {
-                bail!("{name} must be positive");
-            }
+        // Sizes whose products overflow cannot match any weights file; refuse them before any
+        // shape arithmetic wraps.
+        if cfg.checked_params().is_none() {
+            bail!(
+                "the sizes in config.json are too large (hidden_size {}, intermediate_size {}, num_hidden_layers {}, vocab_size {}, heads {} × head_dim {}): the parameter count overflows",
+                cfg.hidden, cfg.intermediate, cfg.n_layers, cfg.vocab, cfg.n_heads, cfg.head_dim
+            );
+        }
+        // rope_theta and the scaling are each valid, yet extreme combinations (theta 1e-300) still
+        // give frequencies outside f32: check what the kernels will use.
+        if let Some(f) = cfg.rope_inv_freq().iter().find(|&&f| !(f > 0.0 && (f as f32).is_finite() && (f as f32) > 0.0)) {
+            bail!(
+                "rope_theta {} with head_dim {} and rope scaling {:?} gives a RoPE frequency of {f}, outside f32's range",
+                cfg.rope_theta, cfg.head_dim, cfg.rope_scaling
+            );
         }
         Ok(cfg)
     }
@@ -226,6 +271,18 @@ impl ModelConfig {
         }
     }
 
+    /// `n_params` in checked arithmetic: `None` when the sizes overflow.
+    fn checked_params(&self) -> Option<usize> {
+        let d = self.hidden;
+        let q = self.n_heads.checked_mul(self.head_dim)?;
+        let kv = self.n_kv_heads.checked_mul(self.head_dim)?;
+        let attn = d.checked_mul(q)?.checked_mul(2)?.checked_add(d.checked_mul(kv)?.checked_mul(2)?)?;
+        let mlp = d.checked_mul(self.intermediate)?.checked_mul(3)?;
+        let emb = self.vocab.checked_mul(d)?.checked_mul(2)?;
+        let layer = attn.checked_add(mlp)?.checked_add(d.checked_mul(2)?)?;
+        self.n_layers.checked_mul(layer)?.checked_add(emb)?.checked_add(d)
+    }
+
     /// Parameters of the base model (for reports).
     pub fn n_params(&self) -> usize {
         let d = self.hidden;
@@ -233,6 +290,32 @@ impl ModelConfig {
         let mlp = 3 * d * self.intermediate;
         let emb = self.vocab * d * if self.tie_word_embeddings { 1 } else { 2 };
         self.n_layers * (attn + mlp + 2 * d) + emb + d
+    }
+}
+
+/// Field `k` of an object when present and not `null` (HF writes `null` for "not set").
+fn field<'a>(v: &'a Value, k: &str) -> Option<&'a Value> {
+    v.get(k).filter(|x| !x.is_null())
+}
+
+// Typed optional fields: absent or null is `None`; a value of the wrong type is an error naming
+// the field and the value, never a silent default.
+fn opt_f64(v: &Value, k: &str) -> Result<Option<f64>> {
+    field(v, k).map(|x| x.as_f64().with_context(|| format!("field {k:?} must be a number, got {x}"))).transpose()
+}
+
+fn opt_bool(v: &Value, k: &str) -> Result<Option<bool>> {
+    field(v, k).map(|x| x.as_bool().with_context(|| format!("field {k:?} must be true or false, got {x}"))).transpose()
+}
+
+fn opt_str<'a>(v: &'a Value, k: &str) -> Result<Option<&'a str>> {
+    field(v, k).map(|x| x.as_str().with_context(|| format!("field {k:?} must be a string, got {x}"))).transpose()
+}
+
+fn opt_object<'a>(v: &'a Value, k: &str) -> Result<Option<&'a Value>> {
+    match field(v, k) {
+        Some(x) if !x.is_object() => bail!("field {k:?} must be an object, got {x}"),
+        x => Ok(x),
     }
 }
 

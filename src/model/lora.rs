@@ -132,9 +132,15 @@ impl LoraAdapter {
         LoraAdapter { r, alpha, use_rslora: false, targets: targets.to_vec(), layers, base_model_name: None }
     }
 
-    /// Load a PEFT LoRA directory and check it fits `cfg` (keys, ranks, shapes).
+    /// Load a PEFT LoRA directory and check it fits `cfg` (keys, ranks, shapes, target_modules).
     pub fn load(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
+        if let Err(e) = std::fs::metadata(dir) {
+            if super::weights::is_symlink_loop(&e) {
+                bail!("adapter directory {} is a symlink loop (following its symlinks never reaches a directory)", dir.display());
+            }
+        }
         let cpath = dir.join("adapter_config.json");
+        super::weights::stat(&cpath)?;
         let text = std::fs::read_to_string(&cpath)
             .with_context(|| format!("cannot read {} (is {} a PEFT adapter directory?)", cpath.display(), dir.display()))?;
         let c: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cpath.display()))?;
@@ -142,17 +148,36 @@ impl LoraAdapter {
     }
 
     fn load_with_config(dir: &Path, c: &Value, cfg: &ModelConfig) -> Result<Self> {
-        let peft_type = c.get("peft_type").and_then(Value::as_str).unwrap_or("LORA");
+        let field = |k: &str| c.get(k).filter(|x| !x.is_null());
+        let flag = |k: &str| -> Result<bool> {
+            match field(k) {
+                None => Ok(false),
+                Some(x) => x.as_bool().ok_or_else(|| anyhow!("adapter_config.json: {k:?} must be true or false, got {x}")),
+            }
+        };
+        let peft_type = match field("peft_type") {
+            None => "LORA",
+            Some(x) => x.as_str().ok_or_else(|| anyhow!("adapter_config.json: \"peft_type\" must be a string, got {x}"))?,
+        };
         if peft_type != "LORA" {
             bail!("peft_type {peft_type:?} is not supported (only LORA)");
         }
-        let r = c.get("r").and_then(Value::as_u64).ok_or_else(|| anyhow!("adapter_config.json: missing integer \"r\""))? as usize;
-        if r == 0 {
-            bail!("adapter_config.json: r must be positive");
-        }
-        let alpha = c.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
-        for (flag, what) in [("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out")] {
-            if c.get(flag).and_then(Value::as_bool) == Some(true) {
+        let r = match field("r") {
+            None => bail!("adapter_config.json: missing \"r\" (the LoRA rank, a positive integer)"),
+            Some(x) => match x.as_u64() {
+                Some(r) if r > 0 => r as usize,
+                _ => bail!("adapter_config.json: \"r\" must be a positive integer (the LoRA rank), got {x}"),
+            },
+        };
+        let alpha = match field("lora_alpha") {
+            None => 8.0, // PEFT's default
+            Some(x) => match x.as_f64() {
+                Some(a) if a.is_finite() => a,
+                _ => bail!("adapter_config.json: \"lora_alpha\" must be a finite number, got {x}"),
+            },
+        };
+        for (flag_name, what) in [("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out")] {
+            if flag(flag_name)? {
                 bail!("adapter_config.json: {what} adapters are not supported");
             }
         }
@@ -164,6 +189,11 @@ impl LoraAdapter {
         if c.get("layers_to_transform").is_some_and(|v| !v.is_null()) {
             bail!("adapter_config.json: layers_to_transform is not supported");
         }
+        for k in ["exclude_modules", "target_parameters"] {
+            if field(k).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+                bail!("adapter_config.json: {k} is not supported (only target_modules)");
+            }
+        }
         if c.get("modules_to_save").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
             bail!("adapter_config.json: modules_to_save is not supported (only LoRA matrices)");
         }
@@ -172,29 +202,40 @@ impl LoraAdapter {
                 bail!("adapter_config.json: bias {b:?} is not supported (only \"none\")");
             }
         }
-        let use_rslora = c.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
+        let use_rslora = flag("use_rslora")?;
+        let targets = resolve_targets(c.get("target_modules"), cfg)?;
 
         let wpath = dir.join("adapter_model.safetensors");
-        if !wpath.exists() {
+        if super::weights::stat(&wpath)?.is_none() {
             bail!("{} is missing (adapter_model.bin is not supported; save with safe_serialization)", wpath.display());
         }
         let set = SafetensorsSet::open_files(&[wpath.clone()])?;
         // Index every key into (layer, proj, A|B); anything else is an error, not silently ignored.
         let mut found: BTreeMap<(usize, Proj, char), String> = BTreeMap::new();
-        for name in set.names() {
+        let mut names: Vec<&str> = set.names().collect();
+        names.sort(); // the first offending tensor named is the same on every run
+        for name in names {
             let parsed = parse_peft_key(name)
                 .ok_or_else(|| anyhow!("unexpected tensor {name} in {} (not a LoRA A/B weight of a decoder layer)", wpath.display()))?;
             if parsed.0 >= cfg.n_layers {
                 bail!("tensor {name}: layer {} does not exist in the base model ({} layers)", parsed.0, cfg.n_layers);
+            }
+            // PEFT applies only what target_modules names: a tensor of another module would be
+            // dropped there and applied here, so the file and the config must agree.
+            if !targets.contains(&parsed.1) {
+                bail!(
+                    "{} holds {name}, but target_modules {} does not target {} (targets here: {}); add it to target_modules or remove its tensors",
+                    wpath.display(),
+                    c.get("target_modules").map(|t| t.to_string()).unwrap_or_else(|| "(absent: PEFT's default for llama/qwen2)".into()),
+                    parsed.1.module(),
+                    targets.iter().map(|p| p.module()).collect::<Vec<_>>().join(", ")
+                );
             }
             found.insert(parsed, name.to_string());
         }
         if found.is_empty() {
             bail!("{} holds no LoRA tensors", wpath.display());
         }
-        let mut targets: Vec<Proj> = found.keys().map(|k| k.1).collect();
-        targets.sort();
-        targets.dedup();
         let mut layers: Vec<[Option<LoraPair>; 7]> = (0..cfg.n_layers).map(|_| Default::default()).collect();
         for l in 0..cfg.n_layers {
             for &p in &targets {
@@ -207,7 +248,11 @@ impl LoraAdapter {
                         let b = set.get_f32(b, Some(&[dout, r])).with_context(|| format!("LoRA rank r = {r} from adapter_config.json"))?;
                         layers[l][p.index()] = Some(LoraPair { a, b });
                     }
-                    (None, None) => bail!("layer {l} has no LoRA weights for {} while other layers do", p.module()),
+                    (None, None) => bail!(
+                        "layer {l} has no LoRA weights for {} in {}, but target_modules targets it in every layer",
+                        p.module(),
+                        wpath.display()
+                    ),
                     _ => bail!("layer {l} {}: lora_A and lora_B must both be present", p.module()),
                 }
             }
@@ -299,6 +344,118 @@ impl LoraAdapter {
             }
         }
     }
+}
+
+/// The module names of the base model as PEFT sees them (`named_modules()` of a
+/// `LlamaForCausalLM` / `Qwen2ForCausalLM`), each with the projection it is, if it is one.
+fn module_names(cfg: &ModelConfig) -> Vec<(String, Option<(usize, Proj)>)> {
+    let mut m: Vec<(String, Option<(usize, Proj)>)> =
+        ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+            .iter()
+            .map(|n| (n.to_string(), None))
+            .collect();
+    for l in 0..cfg.n_layers {
+        let base = format!("model.layers.{l}");
+        for sub in ["", ".self_attn", ".mlp", ".mlp.act_fn", ".input_layernorm", ".post_attention_layernorm"] {
+            m.push((format!("{base}{sub}"), None));
+        }
+        for p in ALL_PROJS {
+            m.push((format!("{base}.{}.{}", p.parent(), p.module()), Some((l, p))));
+        }
+    }
+    m
+}
+
+/// The projections an adapter's `target_modules` selects, matched as PEFT matches them:
+/// - a list: an entry selects the modules whose name equals it or ends with `.` + it (`q_proj`,
+///   `self_attn.q_proj`, `model.layers.0.self_attn.q_proj`); every entry must select something;
+/// - a string: `all-linear` (any case) selects the seven projections of every layer (all linear
+///   layers but the output head); any other string is a regular expression that must match a
+///   whole module name (`re.fullmatch`; Oniguruma syntax, which agrees with Python's `re` on the
+///   usual patterns such as `.*\.(q|v)_proj`);
+/// - absent or null: PEFT's default for llama and qwen2, `["q_proj", "v_proj"]`.
+///
+/// Only the seven projections can carry LoRA here (not `lm_head` or `embed_tokens`), and a
+/// projection must be selected in every layer or in none (no per-layer targeting).
+fn resolve_targets(tm: Option<&Value>, cfg: &ModelConfig) -> Result<Vec<Proj>> {
+    const VALID: &str = "a list of module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), \"all-linear\", or a regular expression over module paths such as model.layers.0.self_attn.q_proj";
+    let modules = module_names(cfg);
+    let mut selected: Vec<(&str, &str)> = Vec::new(); // (target, module name)
+    match tm {
+        None | Some(Value::Null) => {
+            for (name, _) in &modules {
+                if name.ends_with(".q_proj") || name.ends_with(".v_proj") {
+                    selected.push(("q_proj/v_proj (PEFT's default)", name));
+                }
+            }
+        }
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("all-linear") => {
+            for (name, p) in &modules {
+                if p.is_some() {
+                    selected.push((s, name));
+                }
+            }
+        }
+        Some(Value::String(s)) => {
+            // `\A(?:…)\z`: the whole name, as re.fullmatch (Oniguruma bounds backtracking).
+            let re = tokenizers::utils::SysRegex::new(&format!(r"\A(?:{s})\z"))
+                .map_err(|e| anyhow!("adapter_config.json: target_modules {s:?} is not a valid regular expression: {e}"))?;
+            for (name, _) in &modules {
+                if re.find_iter(name).next().is_some() {
+                    selected.push((s, name));
+                }
+            }
+            if selected.is_empty() {
+                bail!(
+                    "adapter_config.json: target_modules {s:?} (a regular expression matched against whole module names) matches no module of the model; valid: {VALID}"
+                );
+            }
+        }
+        Some(Value::Array(list)) => {
+            if list.is_empty() {
+                bail!("adapter_config.json: target_modules is empty; valid: {VALID}");
+            }
+            for t in list {
+                let t = t.as_str().ok_or_else(|| anyhow!("adapter_config.json: target_modules entry {t} is not a string; valid: {VALID}"))?;
+                let before = selected.len();
+                for (name, _) in &modules {
+                    if name == t || name.strip_suffix(t).is_some_and(|head| head.ends_with('.')) {
+                        selected.push((t, name));
+                    }
+                }
+                if selected.len() == before {
+                    let hint = if t.eq_ignore_ascii_case("all-linear") { " (\"all-linear\" is a shorthand only as the whole string value, not as a list entry)" } else { "" };
+                    bail!("adapter_config.json: target_modules entry {t:?} names no module of the model{hint}; valid: {VALID}");
+                }
+            }
+        }
+        Some(other) => bail!("adapter_config.json: target_modules must be a list of strings or a string, got {other}; valid: {VALID}"),
+    }
+    let by_name: BTreeMap<&str, Option<(usize, Proj)>> = modules.iter().map(|(n, p)| (n.as_str(), *p)).collect();
+    let mut per_proj: BTreeMap<Proj, usize> = BTreeMap::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (t, name) in selected {
+        match by_name[name] {
+            Some((l, p)) => {
+                if seen.insert((l, p)) {
+                    *per_proj.entry(p).or_default() += 1;
+                }
+            }
+            None => bail!(
+                "adapter_config.json: target_modules {t:?} selects {name}, which cannot carry a LoRA here (only the seven projections q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"
+            ),
+        }
+    }
+    for (&p, &n) in &per_proj {
+        if n != cfg.n_layers {
+            bail!(
+                "adapter_config.json: target_modules selects {} in {n} of the model's {} layers; only every layer or none is supported",
+                p.module(),
+                cfg.n_layers
+            );
+        }
+    }
+    Ok(per_proj.into_keys().collect())
 }
 
 /// `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (optionally with `.default`)

@@ -40,13 +40,14 @@ impl TextTokenizer {
     /// has no tokenizer (the tiny test models): callers then only accept ids.
     pub fn load(dir: &Path, config_eos: &[u32]) -> Result<Option<Self>> {
         let tpath = dir.join("tokenizer.json");
-        if !tpath.exists() {
+        // stat: a symlink loop is an error, not "no tokenizer"
+        if super::weights::stat(&tpath)?.is_none() {
             return Ok(None);
         }
         let tok = tokenizers::Tokenizer::from_file(&tpath)
             .map_err(|e| anyhow!("cannot load {}: {e}", tpath.display()))?;
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: Value = if cfg_path.exists() {
+        let cfg: Value = if super::weights::stat(&cfg_path)?.is_some() {
             let text = std::fs::read_to_string(&cfg_path)
                 .with_context(|| format!("cannot read {}", cfg_path.display()))?;
             serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cfg_path.display()))?
@@ -55,7 +56,7 @@ impl TextTokenizer {
         };
         // transformers prefers chat_template.jinja over the tokenizer_config.json entry.
         let jinja_path = dir.join("chat_template.jinja");
-        let chat_template = if jinja_path.exists() {
+        let chat_template = if super::weights::stat(&jinja_path)?.is_some() {
             Some(std::fs::read_to_string(&jinja_path).with_context(|| format!("cannot read {}", jinja_path.display()))?)
         } else {
             match cfg.get("chat_template") {
@@ -72,7 +73,8 @@ impl TextTokenizer {
         let eos_token = token_string(cfg.get("eos_token"));
         let mut eos_ids: Vec<u32> = config_eos.to_vec();
         let gen_path = dir.join("generation_config.json");
-        if let Ok(text) = std::fs::read_to_string(&gen_path) {
+        if super::weights::stat(&gen_path)?.is_some() {
+            let text = std::fs::read_to_string(&gen_path).with_context(|| format!("cannot read {}", gen_path.display()))?;
             let g: Value = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not valid JSON", gen_path.display()))?;
             match g.get("eos_token_id") {
@@ -131,7 +133,39 @@ impl TextTokenizer {
     }
 }
 
-/// Render a Jinja chat template as transformers does.
+/// Instructions a chat template may run for one rendering. Real templates take thousands; a
+/// template that loops 10^10 times would otherwise run forever.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
+/// Most bytes a rendering may produce besides 4× the messages' own text: templates repeat a
+/// message a few times at most, and anything far larger (a loop printing 100 KB a turn) would be
+/// tokenized whole afterwards, which takes hundreds of bytes of memory per byte.
+pub const TEMPLATE_OUTPUT_SLACK: usize = 16 << 20;
+
+/// An `io::Write` into memory that refuses to grow past `limit` bytes (the render then stops with
+/// a write error, which `render_template` reports as the size limit).
+struct CappedOutput {
+    buf: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("chat template output over the limit"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Render a Jinja chat template as transformers does, within [`TEMPLATE_FUEL`] instructions and
+/// [`TEMPLATE_OUTPUT_SLACK`] + 4× the messages' bytes of output.
 pub fn render_template(
     tpl: &str,
     messages: &[ChatMessage],
@@ -140,6 +174,7 @@ pub fn render_template(
     eos_token: Option<&str>,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -162,7 +197,23 @@ pub fn render_template(
         eos_token => eos_token.unwrap_or(""),
         tools => minijinja::Value::from(()),
     };
-    t.render(ctx).map_err(|e| anyhow!("rendering the chat template failed: {e}"))
+    let text_bytes: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+    let limit = TEMPLATE_OUTPUT_SLACK.saturating_add(text_bytes.saturating_mul(4));
+    let mut out = CappedOutput { buf: Vec::new(), limit, over: false };
+    let res = t.render_captured_to(ctx, &mut out).map(drop);
+    match res {
+        Ok(()) => String::from_utf8(out.buf).map_err(|_| anyhow!("the chat template produced invalid UTF-8")),
+        Err(_) if out.over => bail!(
+            "rendering the chat template failed: its output passed {} MiB ({} MiB + 4× the {} bytes of messages); the template is broken",
+            limit >> 20,
+            TEMPLATE_OUTPUT_SLACK >> 20,
+            text_bytes
+        ),
+        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+            bail!("rendering the chat template failed: it ran more than {TEMPLATE_FUEL} instructions (a runaway loop?)")
+        }
+        Err(e) => bail!("rendering the chat template failed: {e}"),
+    }
 }
 
 /// `json.dumps` with Python's separators (", " and ": "), non-ASCII kept.

@@ -65,7 +65,7 @@ impl SafetensorsSet {
     pub fn open_dir(dir: &Path) -> Result<Self> {
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if index_path.exists() {
+        let files: Vec<PathBuf> = if stat(&index_path)?.is_some() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("cannot read {}", index_path.display()))?;
             let v: serde_json::Value = serde_json::from_str(&text)
@@ -74,12 +74,28 @@ impl SafetensorsSet {
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| anyhow!("{} has no \"weight_map\" object", index_path.display()))?;
-            let mut names: Vec<String> =
-                map.values().filter_map(|x| x.as_str().map(String::from)).collect();
+            let mut names: Vec<&str> = Vec::with_capacity(map.len());
+            for (tensor, file) in map {
+                let name = file.as_str().ok_or_else(|| {
+                    anyhow!("{}: weight_map[{tensor:?}] must be a file name, got {file}", index_path.display())
+                })?;
+                // transformers joins the name to the model directory: only plain relative names
+                // (no `..`, no absolute path) stay inside it. Reading files elsewhere is refused.
+                let inside = !name.is_empty()
+                    && Path::new(name).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+                if !inside {
+                    bail!(
+                        "{}: weight_map[{tensor:?}] names {name:?}, which is not a file inside {} (shard names must be relative, without \"..\")",
+                        index_path.display(),
+                        dir.display()
+                    );
+                }
+                names.push(name);
+            }
             names.sort();
             names.dedup();
             names.into_iter().map(|n| dir.join(n)).collect()
-        } else if single.exists() {
+        } else if stat(&single)?.is_some() {
             vec![single]
         } else {
             bail!(
@@ -94,6 +110,7 @@ impl SafetensorsSet {
         let mut maps = Vec::new();
         let mut index = HashMap::new();
         for (i, path) in files.iter().enumerate() {
+            stat(path)?; // a symlink loop is named as such, not as an open failure
             let f = File::open(path).with_context(|| format!("cannot open weights file {}", path.display()))?;
             // Safety: the file is opened read-only; we never hand out references past the Mmap's life.
             let map = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot mmap {}", path.display()))?;
@@ -141,6 +158,31 @@ impl SafetensorsSet {
             .with_context(|| format!("tensor {name} in {}", path.display()))?;
         Ok(HostTensor { shape, data })
     }
+}
+
+/// Whether the path exists, following symlinks (`None`: nothing there). A symlink loop, a
+/// symlink to nothing or an unreadable parent is an error that says which, so a model file in a
+/// bad state is never reported as merely missing.
+pub fn stat(path: &Path) -> Result<Option<std::fs::Metadata>> {
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if is_symlink_loop(&e) => {
+            bail!("{} is a symlink loop (following its symlinks never reaches a file)", path.display())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
+            Ok(target) => bail!("{} is a broken symlink: its target {} does not exist", path.display(), target.display()),
+            Err(_) => Ok(None),
+        },
+        Err(e) => Err(e).with_context(|| format!("cannot access {}", path.display())),
+    }
+}
+
+/// ELOOP: too many levels of symbolic links (std has no stable ErrorKind for it).
+pub fn is_symlink_loop(e: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    return e.raw_os_error() == Some(libc::ELOOP);
+    #[cfg(not(unix))]
+    return false;
 }
 
 /// Convert raw little-endian bytes of a float dtype to f32.

@@ -13,14 +13,16 @@ use crate::agent::{self, AgentConfig, Templates, Trajectory};
 use crate::backend::TrainBackend;
 use crate::data::QaRecord;
 use crate::model::lora::{LoraAdapter, Proj};
-use crate::model::weights::{write_safetensors, SafetensorsSet};
+use crate::model::weights::{write_safetensors, HostTensor, SafetensorsSet};
 use crate::reward::{self, Extract, Matcher, RewardMode};
 use crate::runtime::{self, backward::{LoraGrads, NonFinite}, Model};
 use crate::util::interrupt;
 use crate::util::plot::{Chart, Series};
 use crate::util::rng::Rng;
+use crate::util::sha256::sha256_file;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -121,16 +123,60 @@ impl Default for TrainConfig {
     }
 }
 
+/// Upper bounds of the count-like settings: far beyond any real run, low enough that no budget
+/// arithmetic overflows (the model- and memory-dependent limits are checked where they are known).
+pub const MAX_STEPS: usize = 1_000_000_000;
+pub const MAX_TOKENS: usize = 1 << 24;
+pub const MAX_GROUP: usize = 1 << 16;
+pub const MAX_QUERIES: usize = 1 << 20;
+pub const MAX_LORA_R: usize = 1 << 16;
+
+/// Non-finite updates (loss, gradient, reward or the parameters after AdamW) in a row after which
+/// `train` stops with an error instead of skipping on: the run is broken, not unlucky.
+pub const MAX_NONFINITE_STEPS_IN_A_ROW: usize = 5;
+
+/// The flag of a config field, with its config-file key, for messages.
+fn flag(key: &str) -> String {
+    format!("--{} (`{key}` in a config file)", key.replace('_', "-"))
+}
+
 impl TrainConfig {
+    /// Every setting finite and in its range, before anything is loaded or written: a NaN or an
+    /// absurd value would otherwise ruin the adapter (or wrap the schedule) and still exit 0.
     pub fn validate(&self) -> Result<()> {
         ensure!(self.model.is_some(), "no model: pass --model DIR (or `model = ...` in the config file)");
         ensure!(self.data.is_some(), "no training data: pass --data FILE (or `data = ...` in the config file)");
-        ensure!(self.steps > 0 && self.queries_per_step > 0, "steps and queries per step must be positive");
-        ensure!(self.group_size >= 2, "GRPO needs at least 2 rollouts per query (--group-size)");
-        ensure!(self.lora_r > 0, "--lora-r must be positive");
-        ensure!(self.lr > 0.0 && self.lr.is_finite(), "--lr must be a positive number");
-        ensure!(self.micro_batch_tokens > 0 && self.max_batch_tokens > 0, "token budgets must be positive");
-        ensure!(self.clip_low >= 0.0 && self.clip_high >= 0.0 && self.kl_coef >= 0.0 && self.beta.is_finite(), "clip ranges and kl_coef must be >= 0");
+        let int = |key: &str, v: usize, lo: usize, hi: usize, why: &str| -> Result<()> {
+            ensure!((lo..=hi).contains(&v), "{} must be an integer in {lo}..={hi}{why}, got {v}", flag(key));
+            Ok(())
+        };
+        int("steps", self.steps, 1, MAX_STEPS, "")?;
+        int("warmup_steps", self.warmup_steps, 0, MAX_STEPS, "")?;
+        int("queries_per_step", self.queries_per_step, 1, MAX_QUERIES, "")?;
+        int("group_size", self.group_size, 2, MAX_GROUP, " (GRPO compares at least 2 rollouts of a query)")?;
+        int("lora_r", self.lora_r, 1, MAX_LORA_R, "")?;
+        int("chunk_tokens", self.chunk_tokens, 1, MAX_TOKENS, "")?;
+        int("memory_tokens", self.memory_tokens, 1, MAX_TOKENS, "")?;
+        int("answer_tokens", self.answer_tokens, 1, MAX_TOKENS, "")?;
+        int("micro_batch_tokens", self.micro_batch_tokens, 1, MAX_TOKENS, "")?;
+        int("max_batch_tokens", self.max_batch_tokens, 1, MAX_TOKENS, "")?;
+        int("save_every", self.save_every, 0, MAX_STEPS, " (0 = only at the end)")?;
+        int("keep_checkpoints", self.keep_checkpoints, 1, MAX_STEPS, " (the newest checkpoint is always kept)")?;
+        // (a NaN fails every comparison, so `ok` is false for it)
+        let real = |key: &str, v: f64, ok: bool, range: &str| -> Result<()> {
+            ensure!(v.is_finite() && ok, "{} must be {range}, got {v}", flag(key));
+            Ok(())
+        };
+        real("lr", self.lr, self.lr > 0.0 && self.lr <= 1.0, "in (0, 1]")?;
+        real("weight_decay", self.weight_decay, (0.0..=1.0).contains(&self.weight_decay), "in [0, 1]")?;
+        real("grad_clip", self.grad_clip, (0.0..=1e9).contains(&self.grad_clip), "in [0, 1e9] (0 = off)")?;
+        real("lora_alpha", self.lora_alpha, self.lora_alpha > 0.0 && self.lora_alpha <= 65536.0, "in (0, 65536]")?;
+        real("temperature", self.temperature as f64, (0.0..=100.0).contains(&self.temperature), "in [0, 100] (0 = greedy)")?;
+        real("top_p", self.top_p as f64, self.top_p > 0.0 && self.top_p <= 1.0, "in (0, 1]")?;
+        real("beta", self.beta, (-1000.0..=1000.0).contains(&self.beta), "in [-1000, 1000]")?;
+        real("clip_low", self.clip_low, (0.0..=1.0).contains(&self.clip_low), "in [0, 1] (the ratio is clipped below at 1 - clip_low)")?;
+        real("clip_high", self.clip_high, (0.0..=100.0).contains(&self.clip_high), "in [0, 100]")?;
+        real("kl_coef", self.kl_coef, (0.0..=1000.0).contains(&self.kl_coef), "in [0, 1000]")?;
         AdvNorm::parse(&self.adv_norm)?;
         self.targets()?;
         Ok(())
@@ -168,12 +214,13 @@ impl TrainConfig {
     /// Learning rate at (0-based) step `s`: linear warm-up, then constant or cosine to 10%.
     pub fn lr_at(&self, s: usize) -> f64 {
         if s < self.warmup_steps {
-            return self.lr * (s + 1) as f64 / (self.warmup_steps + 1) as f64;
+            // in f64: `warmup_steps + 1` must not wrap (to 0, giving lr = inf)
+            return self.lr * (s as f64 + 1.0) / (self.warmup_steps as f64 + 1.0);
         }
         match self.schedule {
             Schedule::Constant => self.lr,
             Schedule::Cosine => {
-                let span = (self.steps - self.warmup_steps).max(1) as f64;
+                let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
                 let t = ((s - self.warmup_steps) as f64 / span).min(1.0);
                 self.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
             }
@@ -223,6 +270,10 @@ struct CheckpointState {
     cursor: DataCursor,
     config: TrainConfig,
     adam_step: u64,
+    /// SHA-256 of the training data file (checked on `--resume`; absent in older checkpoints and
+    /// when the records did not come from a file).
+    #[serde(default)]
+    data_sha256: Option<String>,
 }
 
 /// One line of `metrics.jsonl`.
@@ -294,6 +345,19 @@ pub struct Trainer<B: TrainBackend> {
     pub cursor: DataCursor,
     queries: Vec<QaRecord>,
     templates: Templates,
+    data_sha256: Option<String>,
+    /// Non-finite updates skipped in a row (see MAX_NONFINITE_STEPS_IN_A_ROW).
+    nonfinite_in_a_row: usize,
+    /// The optimizer moments after the last good update: what a non-finite update is undone to
+    /// (kept here so each step downloads the moments once).
+    good_moments: Option<BTreeMap<String, HostTensor>>,
+}
+
+/// The state an update can change, taken just before it.
+struct Snapshot {
+    adapter: LoraAdapter,
+    moments: BTreeMap<String, HostTensor>,
+    adam_step: u64,
 }
 
 fn ckpt_root(out: &Path) -> PathBuf {
@@ -315,24 +379,45 @@ pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
 
 impl<B: TrainBackend> Trainer<B> {
     /// A new run (or, with `resume`, the continuation of the run in `cfg.out`). `make_model`
-    /// loads the base model on the backend.
+    /// loads the base model on the backend. A resumed run takes everything from its newest
+    /// checkpoint except `out`, `steps`, `save_every` and `keep_checkpoints` (see
+    /// [`resume_config`] for refusing other changes); its data file must hash as it did.
     pub fn new(mut cfg: TrainConfig, resume: bool, queries: Vec<QaRecord>, make_model: impl FnOnce(&Path) -> Result<Model<B>>) -> Result<Self> {
         let mut resumed: Option<(PathBuf, CheckpointState)> = None;
         if resume {
-            let dir = latest_checkpoint(&cfg.out)
-                .with_context(|| format!("--resume: no checkpoint under {}", ckpt_root(&cfg.out).display()))?;
-            let text = std::fs::read_to_string(dir.join("state.json")).with_context(|| format!("reading {}", dir.join("state.json").display()))?;
-            let st: CheckpointState = serde_json::from_str(&text).with_context(|| format!("{} is not a valid checkpoint state", dir.display()))?;
-            // the checkpoint defines the run; only its length and saving cadence may change
-            let (steps, save_every, keep) = (cfg.steps, cfg.save_every, cfg.keep_checkpoints);
-            cfg = st.config.clone();
-            cfg.steps = steps.max(st.step);
-            cfg.save_every = save_every;
-            cfg.keep_checkpoints = keep;
+            let (dir, st) = read_latest_state(&cfg.out)?;
+            cfg = merge_resumed(st.config.clone(), st.step, &cfg);
             resumed = Some((dir, st));
         }
         cfg.validate()?;
         ensure!(!queries.is_empty(), "the training data has no records");
+        for p in remove_stale_partial_checkpoints(&cfg.out) {
+            eprintln!("removed {}: a partial checkpoint of a process that is gone", p.display());
+        }
+        // what a fresh adapter records as its base: the path as given (PEFT's convention)
+        let base_model_name = cfg.model.as_ref().map(|p| p.display().to_string());
+        // saved absolute, so the run means the same from any working directory
+        for p in [&mut cfg.model, &mut cfg.data, &mut cfg.init_adapter, &mut cfg.templates].into_iter().flatten() {
+            *p = crate::util::fs::absolute_path(p);
+        }
+        let data_sha256 = match &cfg.data {
+            Some(p) if p.is_file() => Some(sha256_file(p)?),
+            _ => None,
+        };
+        if let Some((dir, st)) = &resumed {
+            if let Some(saved) = &st.data_sha256 {
+                let path = cfg.data.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+                match &data_sha256 {
+                    Some(now) if now == saved => {}
+                    Some(now) => bail!(
+                        "--resume: the training data {path} changed since {} was saved (sha256 {saved} then, {now} now); \
+                         resume with the data the run started with, or start a new run in another --out",
+                        dir.display()
+                    ),
+                    None => bail!("--resume: the training data {path} of {} is gone (its sha256 was {saved})", dir.display()),
+                }
+            }
+        }
         let templates = match &cfg.templates {
             Some(p) => Templates::load(p)?,
             None => Templates::default(),
@@ -344,7 +429,7 @@ impl<B: TrainBackend> Trainer<B> {
             (None, Some(p)) => LoraAdapter::load(p, &model.cfg)?,
             (None, None) => {
                 let mut a = LoraAdapter::init(&model.cfg, cfg.lora_r, cfg.lora_alpha, &cfg.targets()?, cfg.seed);
-                a.base_model_name = cfg.model.as_ref().map(|p| p.display().to_string());
+                a.base_model_name = base_model_name;
                 a
             }
         };
@@ -360,7 +445,7 @@ impl<B: TrainBackend> Trainer<B> {
             }
             None => (0, DataCursor::new(queries.len(), cfg.seed)),
         };
-        Ok(Trainer { cfg, model, opt, step, cursor, queries, templates })
+        Ok(Trainer { cfg, model, opt, step, cursor, queries, templates, data_sha256, nonfinite_in_a_row: 0, good_moments: None })
     }
 
     /// Run until `cfg.steps`. `on_step` sees every step's metrics (progress bars, logs).
@@ -371,11 +456,24 @@ impl<B: TrainBackend> Trainer<B> {
         crate::util::fs::write_atomic_str(&self.cfg.out.join("config.toml"), &toml::to_string_pretty(&self.cfg)?)?;
         while self.step < self.cfg.steps {
             match self.one_step() {
-                Ok(m) => {
+                Ok((m, nonfinite)) => {
                     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path)?;
                     writeln!(f, "{}", serde_json::to_string(&m)?)?;
                     f.sync_data()?;
                     on_step(&m);
+                    self.nonfinite_in_a_row = if nonfinite { self.nonfinite_in_a_row + 1 } else { 0 };
+                    if self.nonfinite_in_a_row >= MAX_NONFINITE_STEPS_IN_A_ROW {
+                        // every such step was undone: the state saved is that of the last good one
+                        let dir = self.save_checkpoint()?;
+                        bail!(
+                            "stopping at step {}: {MAX_NONFINITE_STEPS_IN_A_ROW} steps in a row were skipped for non-finite values (last: {}); \
+                             each was undone, so the adapter is that of the last good step (saved in {}). Lower --lr, keep --grad-clip on, \
+                             or check the model, adapter and data",
+                            self.step,
+                            m.skipped.as_deref().unwrap_or("?"),
+                            dir.display()
+                        );
+                    }
                     if self.cfg.save_every > 0 && self.step % self.cfg.save_every == 0 && self.step < self.cfg.steps {
                         self.save_checkpoint()?;
                     }
@@ -395,19 +493,34 @@ impl<B: TrainBackend> Trainer<B> {
         Ok(())
     }
 
-    fn one_step(&mut self) -> Result<StepMetrics> {
+    /// One step; also says whether its update was skipped for a non-finite value.
+    fn one_step(&mut self) -> Result<(StepMetrics, bool)> {
         interrupt::check()?;
         let t_step = Instant::now();
         let s = self.step;
         let (idx, next_cursor) = self.cursor.peek(self.cfg.queries_per_step);
         let batch: Vec<QaRecord> = idx.iter().map(|&i| self.queries[i].clone()).collect();
         let mut m = StepMetrics { step: s + 1, lr: self.cfg.lr_at(s), ..Default::default() };
+        let mut nonfinite = false;
 
         // ---- rollouts with the live policy ----
         let acfg = self.cfg.agent(self.cfg.seed ^ (s as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let kv_tokens = batch.len() * (self.cfg.group_size + 3) * (600 + 2 * self.cfg.chunk_tokens + self.cfg.memory_tokens + self.cfg.answer_tokens);
         let mut kv = runtime::kv_for(&self.model, kv_tokens)?;
-        let (mut groups, st) = agent::rollout(&self.model, &mut kv, &batch, &acfg, &self.templates, |_, _| {})?;
+        let (mut groups, st) = match agent::rollout(&self.model, &mut kv, &batch, &acfg, &self.templates, |_, _| {}) {
+            Ok(x) => x,
+            Err(e) if is_non_finite_logits(&e) => {
+                // a poisoned policy (NaN/Inf in the adapter, or overflowing activations) has
+                // nothing to learn from: skip the step like a NaN loss (counted, see run)
+                m.skipped = Some(format!("non-finite logits in the rollouts ({e:#}); the adapter was not updated"));
+                eprintln!("step {}: skipped update: {}", s + 1, m.skipped.as_deref().unwrap_or_default());
+                m.step_s = t_step.elapsed().as_secs_f64();
+                self.cursor = next_cursor;
+                self.step += 1;
+                return Ok((m, true));
+            }
+            Err(e) => return Err(e),
+        };
         drop(kv);
         m.rollout_s = st.update_s + st.final_s;
         m.score_s = st.score_s;
@@ -422,6 +535,7 @@ impl<B: TrainBackend> Trainer<B> {
             let rewards = reward::assign(&signals, self.cfg.reward, self.cfg.beta).unwrap_or_else(|e| {
                 // e.g. a NaN gain from a broken policy: never turn it into an update
                 m.skipped = Some(format!("{e:#}"));
+                nonfinite = true;
                 signals.iter().map(|s| s.outcome).collect()
             });
             for (t, &r) in g.iter_mut().zip(&rewards) {
@@ -475,8 +589,9 @@ impl<B: TrainBackend> Trainer<B> {
             interrupt::check()?;
             let (stats, g) = match grpo::loss_and_grads(&self.model, mb, &gcfg) {
                 Ok(x) => x,
-                Err(e) if e.downcast_ref::<NonFinite>().is_some() => {
+                Err(e) if e.downcast_ref::<NonFinite>().is_some() || is_non_finite_logits(&e) => {
                     m.skipped = Some(format!("{e}; the adapter was not updated"));
+                    nonfinite = true;
                     break;
                 }
                 Err(e) => return Err(e),
@@ -504,11 +619,25 @@ impl<B: TrainBackend> Trainer<B> {
                 let norm2 = g.sum_squares(&self.model.be)?;
                 if !m.loss.is_finite() {
                     m.skipped = Some(format!("non-finite loss ({}); the adapter was not updated", m.loss));
+                    nonfinite = true;
                 } else if !norm2.is_finite() {
                     m.skipped = Some(format!("non-finite gradient norm ({norm2}); the adapter was not updated"));
+                    nonfinite = true;
                 } else {
                     self.opt.cfg.lr = m.lr as f32;
+                    let before = self.snapshot()?;
                     m.grad_norm = Some(self.opt.step(&mut self.model, &g)?);
+                    // finite gradients can still overflow AdamW's moments or the parameters
+                    let after = self.opt.state_tensors(&self.model)?;
+                    let bad = non_finite_lora(&self.model.lora.as_ref().unwrap().host).or_else(|| non_finite_tensor(&after));
+                    match bad {
+                        None => self.good_moments = Some(after),
+                        Some(name) => {
+                            self.restore(before)?;
+                            m.skipped = Some(format!("non-finite values in {name} after the update; the adapter and optimizer state were restored"));
+                            nonfinite = true;
+                        }
+                    }
                 }
             }
         }
@@ -523,7 +652,33 @@ impl<B: TrainBackend> Trainer<B> {
         // the step is complete: commit the data position
         self.cursor = next_cursor;
         self.step += 1;
-        Ok(m)
+        Ok((m, nonfinite))
+    }
+
+    /// The adapter, the optimizer moments and its step count, before an update.
+    fn snapshot(&mut self) -> Result<Snapshot> {
+        let moments = match self.good_moments.take() {
+            Some(m) => m,
+            None => self.opt.state_tensors(&self.model)?,
+        };
+        Ok(Snapshot { adapter: self.model.lora.as_ref().context("no LoRA adapter")?.host.clone(), moments, adam_step: self.opt.step })
+    }
+
+    /// Undo an update: the adapter (host copy and device buffers) and the optimizer state as
+    /// they were in `s`.
+    fn restore(&mut self, s: Snapshot) -> Result<()> {
+        self.model.lora.as_mut().context("no LoRA adapter")?.host = s.adapter;
+        self.model.sync_adapter()?;
+        // AdamW restores its moments from a safetensors file only (as on --resume): a temp one
+        let (tmp, f) = crate::util::fs::create_temp_file(&self.cfg.out, "optimizer-restore.safetensors")?;
+        drop(f);
+        let res = write_safetensors(&tmp, &s.moments, None)
+            .and_then(|_| SafetensorsSet::open_files(std::slice::from_ref(&tmp)))
+            .and_then(|set| self.opt.load_state(&self.model, &set, s.adam_step));
+        let _ = std::fs::remove_file(&tmp);
+        res.context("cannot restore the optimizer state after a non-finite update")?;
+        self.good_moments = Some(s.moments);
+        Ok(())
     }
 
     /// Write `out/checkpoints/step-NNNNNN` atomically (temp dir + rename); keep the newest few.
@@ -534,17 +689,24 @@ impl<B: TrainBackend> Trainer<B> {
         if final_dir.join("state.json").exists() {
             return Ok(final_dir);
         }
-        let tmp = root.join(format!(".tmp-step-{:06}-{}", self.step, std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)?;
-        self.model.lora.as_ref().unwrap().host.save_peft(&tmp.join("adapter"))?;
-        write_safetensors(&tmp.join("optimizer.safetensors"), &self.opt.state_tensors(&self.model)?, None)?;
-        let st = CheckpointState { step: self.step, cursor: self.cursor.clone(), config: self.cfg.clone(), adam_step: self.opt.step };
-        crate::util::fs::write_atomic_str(&tmp.join("state.json"), &serde_json::to_string_pretty(&st)?)?;
-        if final_dir.exists() {
-            std::fs::remove_dir_all(&final_dir)?;
+        // a new directory (mkdir is exclusive), named `.tmp-step-N-PID-RANDOM` so a later run can
+        // tell a dead process's leftover (remove_stale_partial_checkpoints)
+        let tmp = crate::util::fs::create_temp_dir(&root, &format!(".tmp-step-{:06}", self.step))?;
+        let res = (|| -> Result<()> {
+            self.model.lora.as_ref().unwrap().host.save_peft(&tmp.join("adapter"))?;
+            write_safetensors(&tmp.join("optimizer.safetensors"), &self.opt.state_tensors(&self.model)?, None)?;
+            let st = CheckpointState { step: self.step, cursor: self.cursor.clone(), config: self.cfg.clone(), adam_step: self.opt.step, data_sha256: self.data_sha256.clone() };
+            crate::util::fs::write_atomic_str(&tmp.join("state.json"), &serde_json::to_string_pretty(&st)?)?;
+            if final_dir.exists() {
+                std::fs::remove_dir_all(&final_dir)?;
+            }
+            std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))
+        })();
+        if let Err(e) = res {
+            // e.g. a full disk: no half checkpoint is left behind
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e.context(format!("cannot save the checkpoint of step {} under {}", self.step, root.display())));
         }
-        std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
         if let Ok(d) = std::fs::File::open(&root) {
             let _ = d.sync_all();
         }
@@ -615,23 +777,171 @@ pub fn micro_batches(convs: &[Conversation], budget: usize) -> Vec<&[Conversatio
     out
 }
 
-/// The configuration saved with the newest checkpoint under `out`.
-pub fn saved_config(out: &Path) -> Result<TrainConfig> {
+/// The newest checkpoint under `out` and its state.
+fn read_latest_state(out: &Path) -> Result<(PathBuf, CheckpointState)> {
     let dir = latest_checkpoint(out).with_context(|| format!("--resume: no checkpoint under {}", ckpt_root(out).display()))?;
     let text = std::fs::read_to_string(dir.join("state.json")).with_context(|| format!("reading {}", dir.join("state.json").display()))?;
     let st: CheckpointState = serde_json::from_str(&text).with_context(|| format!("{} is not a valid checkpoint state", dir.display()))?;
-    Ok(st.config)
+    Ok((dir, st))
 }
 
-/// Refuse an output directory that holds another run unless resuming.
-pub fn check_fresh_out(out: &Path, resume: bool) -> Result<()> {
-    if !resume && latest_checkpoint(out).is_some() {
+/// The settings a resumed run may change: where it is written (always `--out`, wherever the
+/// checkpoint was made), how long it runs and how often it saves.
+pub const RESUME_MAY_CHANGE: &[&str] = &["out", "steps", "save_every", "keep_checkpoints"];
+
+/// The saved configuration of a run with the changeable settings taken from `requested`.
+fn merge_resumed(mut saved: TrainConfig, saved_step: usize, requested: &TrainConfig) -> TrainConfig {
+    saved.out = requested.out.clone();
+    saved.steps = requested.steps.max(saved_step);
+    saved.save_every = requested.save_every;
+    saved.keep_checkpoints = requested.keep_checkpoints;
+    saved
+}
+
+/// The configuration of the run in `requested.out` to resume: its newest checkpoint's, with
+/// `out`, `steps`, `save_every` and `keep_checkpoints` from `requested`. Every other setting in
+/// `explicit` (given as a flag or in the config file) must equal the saved one (paths compared
+/// as absolute paths), or the resume is refused naming each difference: a resumed run silently
+/// ignoring a changed --lr or --data would be a different run than the one asked for.
+pub fn resume_config(requested: &TrainConfig, explicit: &BTreeSet<String>) -> Result<TrainConfig> {
+    let (dir, st) = read_latest_state(&requested.out)?;
+    // the requested values in range first (a NaN would otherwise show as a mere difference);
+    // model and data may come from the checkpoint
+    TrainConfig { model: st.config.model.clone(), data: st.config.data.clone(), ..requested.clone() }.validate()?;
+    let (saved, now) = (serde_json::to_value(&st.config)?, serde_json::to_value(requested)?);
+    let show = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => "(none)".to_string(),
+        serde_json::Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    let mut diffs = Vec::new();
+    for key in explicit.iter().filter(|k| !RESUME_MAY_CHANGE.contains(&k.as_str())) {
+        let (a, b) = (&saved[key.as_str()], &now[key.as_str()]);
+        let same = match key.as_str() {
+            // the same set of projections in any order
+            "lora_targets" => st.config.targets().ok() == requested.targets().ok(),
+            "model" | "data" | "init_adapter" | "templates" => {
+                let abs = |v: &serde_json::Value| v.as_str().map(|p| crate::util::fs::absolute_path(Path::new(p)));
+                abs(a) == abs(b)
+            }
+            // numbers went through JSON and back: equal up to the last bits
+            _ => match (a.as_f64(), b.as_f64()) {
+                (Some(x), Some(y)) => x == y || (x - y).abs() <= 1e-12 * x.abs().max(y.abs()),
+                _ => a == b,
+            },
+        };
+        if !same {
+            let b = match key.as_str() {
+                "model" | "data" | "init_adapter" | "templates" => b.as_str().map(|p| crate::util::fs::absolute_path(Path::new(p)).display().to_string()).unwrap_or_else(|| show(b)),
+                _ => show(b),
+            };
+            diffs.push(format!("{key} is {} in the checkpoint but {b} now", show(a)));
+        }
+    }
+    if !diffs.is_empty() {
         bail!(
-            "{} already holds a training run (checkpoints exist): pass --resume to continue it, or choose another --out",
-            out.display()
+            "--resume: {} was made with other settings: {}. A resumed run keeps the settings it started with (only --steps, --save-every and \
+             --keep-checkpoints may change; they are in {}): drop the changed flags or config values, or start a new run in another --out",
+            dir.display(),
+            diffs.join("; "),
+            requested.out.join("config.toml").display()
         );
     }
-    Ok(())
+    Ok(merge_resumed(st.config, st.step, requested))
+}
+
+/// The files a run writes into its `--out` (what `--overwrite` deletes).
+pub const RUN_FILES: &[&str] = &["checkpoints", "adapter", "metrics.jsonl", "config.toml", "curves.png"];
+
+/// Refuse a fresh run in a non-empty `out` (another run's files would be overwritten or mixed
+/// with this one's), unless `resume`; with `overwrite`, delete the previous run's files
+/// ([`RUN_FILES`]) first and leave anything else there alone. The run-directory lock
+/// (crate::util::lock::LOCK_FILE) does not count.
+pub fn check_fresh_out(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
+    if resume {
+        return Ok(());
+    }
+    let mut entries: Vec<String> = match std::fs::read_dir(out) {
+        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n != crate::util::lock::LOCK_FILE).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read --out {}", out.display())),
+    };
+    if entries.is_empty() {
+        return Ok(());
+    }
+    entries.sort();
+    if overwrite {
+        for name in RUN_FILES {
+            let p = out.join(name);
+            let res = match std::fs::symlink_metadata(&p) {
+                Ok(m) if m.is_dir() => std::fs::remove_dir_all(&p),
+                Ok(_) => std::fs::remove_file(&p),
+                Err(_) => continue,
+            };
+            res.with_context(|| format!("--overwrite: cannot delete {}", p.display()))?;
+        }
+        return Ok(());
+    }
+    let shown: Vec<&str> = entries.iter().take(8).map(|s| s.as_str()).collect();
+    let more = if entries.len() > shown.len() { format!(" and {} more", entries.len() - shown.len()) } else { String::new() };
+    let hint = if latest_checkpoint(out).is_some() { "It holds a training run: pass --resume to continue it," } else { "It has no checkpoint to --resume from: pass" };
+    bail!(
+        "--out {} is not empty (it has {}{more}); a fresh run would overwrite or mix with those files. {hint} \
+         --overwrite to start over (deletes its {}; other files stay), or choose another --out",
+        out.display(),
+        shown.join(", "),
+        RUN_FILES.join(", ")
+    )
+}
+
+/// Remove `checkpoints/.tmp-step-N-PID[-RANDOM]` directories whose process is gone (a save
+/// interrupted by a kill or a crash); a live process's are left alone. Returns what was removed.
+pub fn remove_stale_partial_checkpoints(out: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(rd) = std::fs::read_dir(ckpt_root(out)) else { return removed };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(".tmp-step-") else { continue };
+        let mut parts = rest.split('-');
+        let (Some(_step), Some(pid)) = (parts.next(), parts.next().and_then(|p| p.parse::<u32>().ok())) else { continue };
+        // our own pid here is a dead process's that had it before us: we have not saved yet
+        if pid == std::process::id() || !crate::util::fs::pid_alive(pid) {
+            let p = e.path();
+            let res = match std::fs::symlink_metadata(&p) {
+                Ok(m) if m.is_dir() => std::fs::remove_dir_all(&p),
+                _ => std::fs::remove_file(&p),
+            };
+            if res.is_ok() {
+                removed.push(p);
+            }
+        }
+    }
+    removed
+}
+
+/// Whether `e` is (or wraps) the forward pass's refusal of NaN/Inf logits.
+fn is_non_finite_logits(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<runtime::forward::NonFiniteLogits>())
+}
+
+/// The name of the first tensor with a NaN or an infinity.
+fn non_finite_tensor(tensors: &BTreeMap<String, HostTensor>) -> Option<String> {
+    tensors.iter().find(|(_, t)| t.data.iter().any(|v| !v.is_finite())).map(|(k, _)| k.clone())
+}
+
+/// The PEFT key of the first adapter tensor with a NaN or an infinity.
+fn non_finite_lora(a: &LoraAdapter) -> Option<String> {
+    for (l, row) in a.layers.iter().enumerate() {
+        for p in crate::model::lora::ALL_PROJS {
+            let Some(pair) = &row[p.index()] else { continue };
+            for (which, t) in [('A', &pair.a), ('B', &pair.b)] {
+                if t.data.iter().any(|v| !v.is_finite()) {
+                    return Some(p.peft_key(l, which));
+                }
+            }
+        }
+    }
+    None
 }
 
 #[cfg(test)]

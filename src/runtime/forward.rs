@@ -27,6 +27,32 @@ pub struct Entry<'a> {
     pub want: Want,
 }
 
+/// A row's logits were not finite (NaN or Inf: NaN/Inf weights or adapter, or an overflow in
+/// the activations). Sampling from them would emit token 0 (or never finish a top-p draw) and
+/// scoring would turn rewards into NaN, so a step fails with this instead. Callers name the
+/// request and token in their own terms ([`super::generate`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFiniteLogits {
+    /// Index of the entry in the step.
+    pub entry: usize,
+    /// Row within the entry's tokens whose logits are at fault.
+    pub row: usize,
+    /// Sequence position of that row's token (its logits predict position + 1).
+    pub position: usize,
+}
+
+impl std::fmt::Display for NonFiniteLogits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the model's logits are not finite (NaN or Inf) at entry {} of the batch, row {}, position {}: the weights or the adapter hold NaN/Inf values, or the activations overflow",
+            self.entry, self.row, self.position
+        )
+    }
+}
+
+impl std::error::Error for NonFiniteLogits {}
+
 #[derive(Debug, Default, Clone)]
 pub struct EntryOut {
     pub logits: Option<Vec<f32>>,
@@ -159,21 +185,46 @@ impl<B: Backend> Model<B> {
                             host_logits = Some(be.download(&logits)?);
                         }
                         let hl = host_logits.as_ref().unwrap();
-                        outs[i].logits = Some(hl[k * cfg.vocab..(k + 1) * cfg.vocab].to_vec());
+                        let row = hl[k * cfg.vocab..(k + 1) * cfg.vocab].to_vec();
+                        if row.iter().any(|x| !x.is_finite()) {
+                            let r = entries[i].tokens.len() - 1;
+                            return Err(NonFiniteLogits { entry: i, row: r, position: positions[row0[i] + r] as usize }.into());
+                        }
+                        outs[i].logits = Some(row);
                     }
                     _ => unreachable!(),
                 }
             }
             if !sample_idx.is_empty() {
                 // Sampling rows must be contiguous in `logits`: compact them when mixed with Logits rows.
-                let picked = if sample_idx.len() == m {
-                    be.sample(&logits, cfg.vocab, &params, &uniform)?
+                let compacted;
+                let src = if sample_idx.len() == m {
+                    &logits
                 } else {
                     let rows: Vec<u32> = sample_idx.iter().map(|&(k, _)| k as u32).collect();
                     let mut sub = be.zeros(rows.len() * cfg.vocab)?;
                     be.gather_rows(&logits, &rows, cfg.vocab, &mut sub)?;
-                    be.sample(&sub, cfg.vocab, &params, &uniform)?
+                    compacted = sub;
+                    &compacted
                 };
+                // A greedy pick returns logit[argmax] − logsumexp(row): finite exactly when the
+                // row holds no NaN or +Inf. Greedy rows get it from their own draw; before any
+                // temperature draw (whose nucleus search need not end on NaN weights) a greedy pass
+                // over the rows checks them: one read of the logits, small beside the head GEMM.
+                let nonfinite = |picked: &[Sampled]| -> Result<()> {
+                    if let Some(k) = picked.iter().position(|s| !s.logprob.is_finite()) {
+                        let i = sample_idx[k].1;
+                        let r = entries[i].tokens.len() - 1;
+                        return Err(NonFiniteLogits { entry: i, row: r, position: positions[row0[i] + r] as usize }.into());
+                    }
+                    Ok(())
+                };
+                if params.iter().any(|p| !p.is_greedy()) {
+                    let n = params.len();
+                    nonfinite(&be.sample(src, cfg.vocab, &vec![SampleParams::GREEDY; n], &vec![0.0; n])?)?;
+                }
+                let picked = be.sample(src, cfg.vocab, &params, &uniform)?;
+                nonfinite(&picked)?;
                 for (&(_, i), s) in sample_idx.iter().zip(picked) {
                     outs[i].sampled = Some(s);
                 }
@@ -186,7 +237,13 @@ impl<B: Backend> Model<B> {
             be.gather_rows(&x, &lp_rows, d, &mut sel)?;
             be.rmsnorm(&sel, &self.final_norm, cfg.rms_eps, m, d, &mut hn)?;
             let lps = prof::time("head_logprobs", || be.logprobs(&hn, self.head(), &lp_targets, d, cfg.vocab))?;
-            for (lp, &i) in lps.into_iter().zip(&lp_owner) {
+            for (k, (lp, &i)) in lps.into_iter().zip(&lp_owner).enumerate() {
+                // a finite row gives a finite log-prob for every target; NaN/Inf would turn a
+                // score, a gain or a reward into NaN downstream
+                if !lp.is_finite() {
+                    let r = lp_rows[k] as usize - row0[i];
+                    return Err(NonFiniteLogits { entry: i, row: r, position: positions[lp_rows[k] as usize] as usize }.into());
+                }
                 outs[i].logprobs.push(lp);
             }
         }

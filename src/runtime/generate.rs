@@ -3,7 +3,7 @@
 //! A scheduler feeds every live request each step: requests still reading their prompt get a
 //! chunk of it (within a token budget per step), requests that are generating get their last
 //! token. Prefill and decode share the same forward pass and the same paged KV cache.
-use super::forward::{Entry, Want};
+use super::forward::{Entry, NonFiniteLogits, Want};
 use super::kv::{KvCache, Seq};
 use super::model::Model;
 use crate::backend::{Backend, SampleParams};
@@ -143,7 +143,23 @@ pub fn generate<B: Backend>(
             for (&(i, _, _), s) in plan.iter().zip(seqs.drain(..)) {
                 live[i].req.seq = s;
             }
-            let outs = outs?;
+            // name the request and the token in the caller's terms
+            let outs = outs.map_err(|e| {
+                let msg = e.downcast_ref::<NonFiniteLogits>().map(|nf| {
+                    let l = &live[plan[nf.entry].0];
+                    let after = if l.out.is_empty() { "the prompt".to_string() } else { format!("new token {}", l.out.len()) };
+                    format!(
+                        "generation request {}: cannot pick new token {}: the logits after {after} (position {}) are NaN/Inf",
+                        plan[nf.entry].0,
+                        l.out.len() + 1,
+                        nf.position
+                    )
+                });
+                match msg {
+                    Some(m) => e.context(m),
+                    None => e,
+                }
+            })?;
             let mut produced = 0;
             for (&(i, a, b), o) in plan.iter().zip(outs) {
                 let l = &mut live[i];
@@ -244,7 +260,12 @@ fn feed_chunks<B: Backend>(
                 seqs[i] = s;
                 cursor[i] = b;
             }
-            for (&(i, _, _), o) in plan.iter().zip(outs?) {
+            // entry/row of the step → sequence/index into its feed (score names the target)
+            let outs = outs.map_err(|e| match e.downcast::<NonFiniteLogits>() {
+                Ok(nf) => anyhow::Error::new(NonFiniteLogits { entry: plan[nf.entry].0, row: plan[nf.entry].1 + nf.row, position: nf.position }),
+                Err(e) => e,
+            })?;
+            for (&(i, _, _), o) in plan.iter().zip(outs) {
                 on_out(i, o);
             }
         }
@@ -314,7 +335,17 @@ pub fn score<B: Backend>(model: &Model<B>, kv: &mut KvCache<B>, reqs: Vec<ScoreR
             Want::Nothing
         }
     };
-    feed_chunks(model, kv, &mut seqs, &fed, opts, want, |i, o| lps[i].extend(o.logprobs))?;
+    feed_chunks(model, kv, &mut seqs, &fed, opts, want, |i, o| lps[i].extend(o.logprobs)).map_err(|e| {
+        // fed row r predicts target r − (context length − 1)
+        let msg = e.downcast_ref::<NonFiniteLogits>().map(|nf| {
+            let t = nf.row + 1 - ctx_len[nf.entry];
+            format!("score request {}: the log-probability of target {t} (position {}) is NaN/Inf", nf.entry, nf.position + 1)
+        });
+        match msg {
+            Some(m) => e.context(m),
+            None => e,
+        }
+    })?;
     Ok(seqs
         .into_iter()
         .zip(lps)

@@ -6,7 +6,7 @@ pub mod generate;
 pub mod kv;
 pub mod model;
 
-pub use forward::{Entry, EntryOut, Want};
+pub use forward::{Entry, EntryOut, NonFiniteLogits, Want};
 pub use generate::{generate, prefill, score, Finish, GenOutput, GenRequest, SchedOptions, ScoreOutput, ScoreRequest};
 pub use kv::{KvCache, Seq};
 pub use model::Model;

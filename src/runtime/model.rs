@@ -45,8 +45,17 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     /// Load an HF model directory onto `be`.
     pub fn load(dir: &Path, be: B) -> Result<Self> {
-        if !dir.is_dir() {
-            bail!("model directory {} does not exist", dir.display());
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => bail!("model directory {} is not a directory", dir.display()),
+            Err(e) if crate::model::weights::is_symlink_loop(&e) => {
+                bail!("model directory {} is a symlink loop (following its symlinks never reaches a directory)", dir.display())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(dir) {
+                Ok(t) => bail!("model directory {} is a broken symlink: its target {} does not exist", dir.display(), t.display()),
+                Err(_) => bail!("model directory {} does not exist", dir.display()),
+            },
+            Err(e) => return Err(e).with_context(|| format!("cannot access model directory {}", dir.display())),
         }
         let cfg = ModelConfig::load(dir)?;
         let weights = ModelWeights::load(dir, &cfg)?;
@@ -56,6 +65,14 @@ impl<B: Backend> Model<B> {
                 bail!(
                     "tokenizer.json has {} tokens but config.json says vocab_size {}: they belong to different models",
                     t.vocab_size(),
+                    cfg.vocab
+                );
+            }
+            // config.json's ids are checked with the config; these come from generation_config.json
+            if let Some(bad) = t.eos_ids.iter().find(|&&id| id as usize >= cfg.vocab) {
+                bail!(
+                    "eos_token_id {bad} in {} is not a token id (vocab_size is {})",
+                    dir.join("generation_config.json").display(),
                     cfg.vocab
                 );
             }

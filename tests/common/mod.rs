@@ -82,6 +82,19 @@ fn byte_level_chars() -> Vec<char> {
     map
 }
 
+/// `tiny_with_tokenizer` with `max_position_embeddings` raised from 256 to 2048, for runs of the
+/// memory agent through the binary: its templates rendered with the chat template make prompts of
+/// ~460 tokens, which `train`, `rollout` and `eval` refuse on a 256-position model. The fixtures'
+/// RoPE is the default kind, so the limit changes no computed value.
+pub fn tiny_for_agent(arch: &str) -> (tempfile::TempDir, PathBuf) {
+    let (t, d) = tiny_with_tokenizer(arch);
+    let p = d.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = 2048.into();
+    std::fs::write(&p, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    (t, d)
+}
+
 /// A copy of a tiny fixture model with a byte-level tokenizer (ids 3..258 = bytes, 0/1/2 =
 /// <|endoftext|>, <|im_start|>, <|im_end|>) and SmolLM2's chat template, so text-level code (the
 /// agent) can run on the tiny models in milliseconds.

@@ -40,26 +40,56 @@ pub const SUPPORTED_ARCHS: &[&str] = &["llama"];
 // Atomic writes
 // ---------------------------------------------------------------------------------------------
 
-// Not `crate::util::fs::write_atomic` (one byte buffer, temp `.NAME.tmp.PID`, also syncs the directory): safetensors streams `model.safetensors` into the temp file by path.
-fn tmp_path(path: &Path) -> PathBuf {
+// Not `crate::util::fs::write_atomic` (one byte buffer, also syncs the directory): safetensors
+// streams `model.safetensors` into the temp file by path.
+
+/// Create the temp file for `path` exclusively (`O_EXCL`) under an unpredictable name,
+/// `.NAME.tmp-PID-RANDOM` (crate::util::fs::unique_suffix), retrying on a collision: a symlink
+/// planted where a temp file will appear is never followed.
+fn create_tmp(path: &Path) -> Result<(PathBuf, File)> {
     let name = path
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+    for _ in 0..64 {
+        let tmp = path.with_file_name(format!(".{name}.tmp-{}", crate::util::fs::unique_suffix()));
+        match fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("cannot create {}", tmp.display())),
+        }
+    }
+    bail!("cannot create a temp file next to {}: every name tried was taken", path.display())
 }
 
-/// Create `path` atomically: `write` fills a temp file in the same directory, which is synced and
-/// renamed over `path`; on failure the temp file is removed.
+/// The path a writer should open to reach `file`: on Linux its own descriptor
+/// (`/proc/self/fd/N`), so the write lands in the file created above even if its name were
+/// swapped for a symlink in between; elsewhere `tmp`.
+fn open_path(file: &File, tmp: &Path) -> PathBuf {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        let p = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        if p.exists() {
+            return p;
+        }
+    }
+    let _ = file;
+    tmp.to_path_buf()
+}
+
+/// Create `path` atomically: `write` fills a new temp file in the same directory (given the
+/// path to open), which is synced and renamed over `path`; on failure the temp file is removed.
 fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = tmp_path(path);
-    let r = write(&tmp).and_then(|_| {
-        File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .with_context(|| format!("cannot sync {}", tmp.display()))?;
-        fs::rename(&tmp, path)
-            .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
-    });
+    let (tmp, file) = create_tmp(path)?;
+    let r = write(&open_path(&file, &tmp))
+        .with_context(|| format!("cannot write {}", tmp.display()))
+        .and_then(|_| {
+            file.sync_all()
+                .with_context(|| format!("cannot sync {}", tmp.display()))?;
+            fs::rename(&tmp, path)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+        });
     if r.is_err() {
         let _ = fs::remove_file(&tmp);
     }
@@ -573,6 +603,30 @@ mod tests {
             "{e}"
         );
         assert!(out.join("config.json").exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn atomic_writes_do_not_follow_a_planted_symlink() {
+        let dir = tmpdir("symlink");
+        let victim = dir.join("victim");
+        fs::write(&victim, "keep").unwrap();
+        // the name the old code opened with O_TRUNC: `.NAME.tmp-PID`
+        for name in ["config.json", "model.safetensors"] {
+            std::os::unix::fs::symlink(&victim, dir.join(format!(".{name}.tmp-{}", std::process::id()))).unwrap();
+        }
+        write_bytes_atomic(&dir.join("config.json"), b"{}").unwrap();
+        write_atomic_with(&dir.join("model.safetensors"), |tmp| {
+            let data = [1.0f32, 2.0];
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], bytemuck::cast_slice(&data)).unwrap();
+            safetensors::tensor::serialize_to_file(vec![("t", v)], None, tmp).map_err(|e| anyhow!("{e}"))
+        })
+        .unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
+        for name in ["config.json", "model.safetensors"] {
+            assert!(fs::symlink_metadata(dir.join(name)).unwrap().file_type().is_file(), "{name}");
+        }
+        assert_eq!(fs::read_to_string(dir.join("config.json")).unwrap(), "{}");
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -1,0 +1,373 @@
+//! Limits through the real binary: outputs that would overwrite an input, sizes and budgets that
+//! cannot fit, runaway chat templates, thread counts, values that would be silently wrong, and
+//! outputs that cannot be written. Every case must exit 1 with a message naming the flag, file or
+//! value — never a panic, an abort or a hang (the cases that used to hang run under a timeout).
+mod common;
+use common::{fixtures, tiny_with_tokenizer};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_infomem-engine"))
+}
+
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run `cmd` for at most `secs` seconds (killed after that: a hang fails the test instead of
+/// hanging it); the output goes through files so a chatty child never blocks on a full pipe.
+fn run_for(mut cmd: Command, secs: u64) -> Out {
+    let dir = tempfile::tempdir().unwrap();
+    let (o, e) = (dir.path().join("out"), dir.path().join("err"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&o).unwrap())
+        .stderr(std::fs::File::create(&e).unwrap())
+        .env("RUST_BACKTRACE", "0")
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(secs) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("{cmd:?} still running after {secs} s (a hang); stderr: {}", std::fs::read_to_string(&e).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Out {
+        code: status.code(),
+        stdout: std::fs::read_to_string(&o).unwrap_or_default(),
+        stderr: String::from_utf8_lossy(&std::fs::read(&e).unwrap()).into_owned(),
+    }
+}
+
+/// `args` must exit 1 (not a panic's 101, not an abort) with every needle in stderr.
+fn fails_with(args: &[&str], needles: &[&str]) -> Out {
+    let mut c = bin();
+    c.args(args);
+    fails_cmd(c, needles)
+}
+
+fn fails_cmd(c: Command, needles: &[&str]) -> Out {
+    let what = format!("{c:?}");
+    let out = run_for(c, 60);
+    assert_eq!(out.code, Some(1), "exit code of {what} (101 = panic, None = killed by a signal); stdout: {}\nstderr: {}", out.stdout, out.stderr);
+    assert!(!out.stderr.contains("panicked"), "panic for {what}: {}", out.stderr);
+    for n in needles {
+        assert!(out.stderr.contains(n), "stderr of {what} lacks {n:?}:\n{}", out.stderr);
+    }
+    out
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Short templates, so that the agent's prompts fit the tiny models' 256 positions.
+fn short_templates(dir: &Path) -> PathBuf {
+    let p = dir.join("templates.toml");
+    std::fs::write(&p, "update = \"Q:{question}\\nS:{chunk}\\nM:{memory}\"\nfinal = \"Q:{question}\\nM:{memory}\"\nempty_memory = \"-\"\n").unwrap();
+    p
+}
+
+fn write_data(path: &Path, question: &str) {
+    let mut t = String::new();
+    for i in 0..3 {
+        t.push_str(&serde_json::json!({"id": format!("r{i}"), "question": question,
+            "context": format!("Some filler. The code {i} is {}. More filler.", 2000 + i), "answers": [format!("{}", 2000 + i)]}).to_string());
+        t.push('\n');
+    }
+    std::fs::write(path, t).unwrap();
+}
+
+/// A tiny model with a tokenizer, short templates and a small dataset; `run` starts an agent
+/// command (`rollout` or `eval`) on them with budgets that fit.
+struct Agent {
+    _model_tmp: tempfile::TempDir,
+    model: PathBuf,
+    tmp: tempfile::TempDir,
+    templates: PathBuf,
+    data: PathBuf,
+}
+
+impl Agent {
+    fn new() -> Self {
+        let (_model_tmp, model) = tiny_with_tokenizer("llama");
+        let tmp = tempfile::tempdir().unwrap();
+        let templates = short_templates(tmp.path());
+        let data = tmp.path().join("data.jsonl");
+        write_data(&data, "What is the code?");
+        Agent { _model_tmp, model, tmp, templates, data }
+    }
+
+    fn args(&self, cmd: &str, data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+        let mut v: Vec<String> = vec![cmd.into(), "--model".into(), s(&self.model).into(), "--templates".into(), s(&self.templates).into()];
+        v.extend(["--data".into(), s(data).into(), "--out".into(), s(out).into()]);
+        let has = |f: &str| extra.contains(&f);
+        for (f, d) in [("--chunk-tokens", "40"), ("--memory-tokens", "8"), ("--answer-tokens", "4")] {
+            if !has(f) {
+                v.extend([f.to_string(), d.to_string()]);
+            }
+        }
+        if cmd == "rollout" && !has("--group-size") {
+            v.extend(["--group-size".into(), "2".into()]);
+        }
+        v.extend(extra.iter().map(|x| x.to_string()));
+        v
+    }
+
+    fn fails(&self, cmd: &str, data: &Path, out: &Path, extra: &[&str], needles: &[&str]) -> Out {
+        let a = self.args(cmd, data, out, extra);
+        fails_with(&a.iter().map(|x| x.as_str()).collect::<Vec<_>>(), needles)
+    }
+
+    fn ok(&self, cmd: &str, data: &Path, out: &Path, extra: &[&str]) {
+        let mut c = bin();
+        c.args(self.args(cmd, data, out, extra));
+        let o = run_for(c, 60);
+        assert_eq!(o.code, Some(0), "{cmd} {extra:?} should succeed: {}", o.stderr);
+    }
+}
+
+// ---- issue 13, item 8: an output that is an input -------------------------------------------
+
+#[test]
+fn output_that_is_an_input_is_refused() {
+    let a = Agent::new();
+    let t = a.tmp.path();
+    let original = std::fs::read(&a.data).unwrap();
+    let link = t.join("link.jsonl");
+    std::os::unix::fs::symlink(&a.data, &link).unwrap();
+    let hard = t.join("hard.jsonl");
+    std::fs::hard_link(&a.data, &hard).unwrap();
+    let dotted = t.join("sub/../data.jsonl");
+    std::fs::create_dir_all(t.join("sub")).unwrap();
+    for out in [&a.data, &link, &hard, &dotted] {
+        a.fails("rollout", &a.data, out, &[], &["--out", "is also an input", "data.jsonl"]);
+        a.fails("rollout", out, &a.data, &[], &["--out", "is also an input"]);
+    }
+    // eval writes predictions.jsonl into --out
+    let preds = t.join("ev/predictions.jsonl");
+    std::fs::create_dir_all(t.join("ev")).unwrap();
+    std::fs::copy(&a.data, &preds).unwrap();
+    a.fails("eval", &preds, &t.join("ev"), &[], &["--out", "predictions.jsonl", "is also an input"]);
+    // the templates file and the model's own files are inputs too
+    a.fails("rollout", &a.data, &a.templates, &[], &["is also an input", "templates.toml"]);
+    a.fails("rollout", &a.data, &a.model.join("tokenizer.json"), &[], &["is also an input", "tokenizer.json"]);
+    // data convert and data synth
+    fails_with(&["data", "convert", "--data", s(&a.data), "--out", s(&link)], &["--out", "is also an input"]);
+    fails_with(&["data", "convert", "--data", s(&hard), "--out", s(&a.data)], &["--out", "is also an input"]);
+    let tok = std::fs::read(a.model.join("tokenizer.json")).unwrap();
+    fails_with(
+        &["data", "synth", "--task", "needle", "--tokens", "100", "--count", "1", "--model", s(&a.model), "--out", s(&a.model.join("tokenizer.json"))],
+        &["--out", "is also an input", "tokenizer.json"],
+    );
+    assert_eq!(std::fs::read(&a.data).unwrap(), original, "the dataset was modified");
+    assert_eq!(std::fs::read(a.model.join("tokenizer.json")).unwrap(), tok, "the tokenizer was modified");
+    // a different file is fine, also one kept beside the model's files
+    a.ok("rollout", &a.data, &t.join("traj.jsonl"), &[]);
+    std::fs::write(a.model.join("traj.jsonl"), "old\n").unwrap();
+    a.ok("rollout", &a.data, &a.model.join("traj.jsonl"), &[]);
+    a.ok("eval", &a.data, &t.join("ev2"), &[]);
+}
+
+// ---- item 10: --chunk-tokens 0 ----------------------------------------------------------------
+
+#[test]
+fn zero_budgets_are_refused() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("o");
+    for cmd in ["rollout", "eval"] {
+        a.fails(cmd, &a.data, &out, &["--chunk-tokens", "0"], &["--chunk-tokens", "at least 1"]);
+        a.fails(cmd, &a.data, &out, &["--memory-tokens", "0"], &["--memory-tokens", "at least 1"]);
+        a.fails(cmd, &a.data, &out, &["--answer-tokens", "0"], &["--answer-tokens", "at least 1"]);
+    }
+    a.fails("rollout", &a.data, &out, &["--group-size", "0"], &["--group-size", "at least 1"]);
+}
+
+// ---- item 11: --threads -----------------------------------------------------------------------
+
+#[test]
+fn thread_counts_are_capped_and_pool_failures_reported() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("s.jsonl");
+    let synth = ["data", "synth", "--task", "needle", "--tokens", "100", "--count", "1", "--out", s(&out)];
+    for n in ["100000", "1025", "18446744073709551615"] {
+        let mut a = vec!["--threads", n];
+        a.extend(synth);
+        fails_with(&a, &["--threads", n, "at most 1024"]);
+    }
+    let mut c = bin();
+    c.env("RAYON_NUM_THREADS", "100000").args(synth);
+    fails_cmd(c, &["RAYON_NUM_THREADS", "100000", "at most 1024"]);
+    // a pool that cannot start (here: too little address space for 1000 thread stacks) is an
+    // error, not rayon's "global thread pool has not been initialized" panic
+    let mut c = Command::new("sh");
+    c.arg("-c").arg(format!("ulimit -v 1000000 && exec {} --threads 1000 {}", env!("CARGO_BIN_EXE_infomem-engine"), synth.join(" ")));
+    fails_cmd(c, &["--threads 1000", "cannot start"]);
+    let mut a = vec!["--threads", "3"];
+    a.extend(synth);
+    assert!(bin().args(&a).output().unwrap().status.success());
+}
+
+// ---- item 12: sizes that cannot fit -----------------------------------------------------------
+
+#[test]
+fn sizes_that_cannot_fit_are_errors() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("o.jsonl");
+    a.fails("rollout", &a.data, &out, &["--group-size", "1000000000"], &["--group-size", "1000000000", "memory"]);
+    a.fails("rollout", &a.data, &out, &["--group-size", "18446744073709551615"], &["--group-size", "18446744073709551615"]);
+    let synth = |tokens: &str, count: &str| {
+        vec!["data", "synth", "--task", "needle", "--tokens", tokens, "--count", count, "--out", s(&out)].into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let v = synth("1000000000000", "1");
+    fails_with(&v.iter().map(|x| x.as_str()).collect::<Vec<_>>(), &["--tokens", "1000000000000", "at most"]);
+    let v = synth("100", "18446744073709551615");
+    fails_with(&v.iter().map(|x| x.as_str()).collect::<Vec<_>>(), &["--count", "18446744073709551615", "memory"]);
+    let v = synth("1000000", "1000000");
+    fails_with(&v.iter().map(|x| x.as_str()).collect::<Vec<_>>(), &["--count", "1000000", "memory"]);
+    // a 40 MB line: refused by the JSONL reader (named by line), in every command that reads data
+    let big = a.tmp.path().join("big.jsonl");
+    let mut text = serde_json::json!({"question": "q?", "context": "word ".repeat(8_000_000), "answers": ["a"]}).to_string();
+    text.push('\n');
+    text.push_str(&std::fs::read_to_string(&a.data).unwrap());
+    std::fs::write(&big, text).unwrap();
+    fails_with(&["data", "inspect", "--data", s(&big)], &["big.jsonl", "line 1", "MiB"]);
+    a.fails("rollout", &big, &out, &[], &["big.jsonl", "line 1", "MiB"]);
+    // with --skip-bad it is skipped like any malformed line
+    let o = bin().args(["data", "inspect", "--skip-bad", "--json", "--data", s(&big)]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["records"], 3);
+    assert_eq!(v["skipped"][0]["line"], 1);
+}
+
+// ---- item 13: agent budgets vs max_position_embeddings -----------------------------------------
+
+#[test]
+fn agent_budgets_are_checked_against_max_position() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("o.jsonl");
+    // a memory budget far past the model's 256 positions used to generate on and on
+    for cmd in ["rollout", "eval"] {
+        a.fails(cmd, &a.data, &out, &["--memory-tokens", "1000000000"], &["max_position_embeddings", "256", "--memory-tokens"]);
+        a.fails(cmd, &a.data, &out, &["--answer-tokens", "300"], &["max_position_embeddings", "256"]);
+    }
+    // a 300-token question (byte-level tokenizer: one token a byte) cannot fit 256 positions
+    let long_q = a.tmp.path().join("longq.jsonl");
+    write_data(&long_q, &format!("What is the code? {}", "x".repeat(300)));
+    a.fails("rollout", &long_q, &out, &[], &["r0", "question", "max_position_embeddings", "256"]);
+    a.fails("eval", &long_q, &a.tmp.path().join("ev"), &[], &["r0", "question", "max_position_embeddings", "256"]);
+    // the default templates alone take more than 256 tokens of the byte-level tokenizer
+    let mut c = bin();
+    c.args(["rollout", "--model", s(&a.model), "--data", s(&a.data), "--out", s(&out), "--chunk-tokens", "40", "--memory-tokens", "8"]);
+    fails_cmd(c, &["max_position_embeddings", "256", "template"]);
+    // budgets that fit still run
+    a.ok("rollout", &a.data, &out, &["--chunk-tokens", "100", "--memory-tokens", "30"]);
+}
+
+/// `grpo-grad` with a sequence past the model's positions is refused (`limits::check_conversations_fit`).
+#[test]
+fn grpo_grad_refuses_sequences_past_max_position() {
+    let t = tempfile::tempdir().unwrap();
+    let batch = t.path().join("b.json");
+    let prompt: Vec<u32> = (0..300).map(|i| 3 + i % 500).collect();
+    let b = serde_json::json!({"eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.05,
+        "conversations": [{"prompt": [1, 2, 3], "response": [4, 5], "advantage": 1.0},
+                          {"prompt": prompt, "response": [7, 8], "advantage": -1.0}]});
+    std::fs::write(&batch, b.to_string()).unwrap();
+    let m = fixtures().join("tiny-llama");
+    let ad = fixtures().join("tiny-llama-lora");
+    fails_with(
+        &["grpo-grad", "--model", s(&m), "--adapter", s(&ad), "--batch", s(&batch), "--out", s(&t.path().join("g.safetensors"))],
+        &["conversation 1", "302", "max_position_embeddings", "256"],
+    );
+}
+
+// ---- item 14: chat templates are bounded -------------------------------------------------------
+
+#[test]
+fn chat_templates_are_bounded() {
+    let (_t, model) = tiny_with_tokenizer("llama");
+    let tpl = model.join("chat_template.jinja");
+    let generate = |extra: &str| {
+        // bounded address space: an unbounded render aborts instead of eating the machine
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!(
+            "ulimit -v 4000000 && exec {} generate --model {} --chat hi --max-new-tokens 1 {extra}",
+            env!("CARGO_BIN_EXE_infomem-engine"),
+            s(&model)
+        ));
+        c
+    };
+    // 10^10 loop iterations: used to run forever
+    std::fs::write(&tpl, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}").unwrap();
+    fails_cmd(generate(""), &["chat template", "instructions"]);
+    // 40 MB of output for a 2-byte message: used to be tokenized whole (GBs)
+    std::fs::write(&tpl, "{% for i in range(40000) %}{{ 'x' * 1000 }}{% endfor %}{{ messages[0].content }}").unwrap();
+    fails_cmd(generate(""), &["chat template", "MiB"]);
+    // the real template still renders
+    std::fs::copy(fixtures().join("smollm2-hf-meta/chat_template.jinja"), &tpl).unwrap();
+    let o = run_for(generate("--json"), 60);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+}
+
+// ---- item 17: values that would be silently wrong ----------------------------------------------
+
+#[test]
+fn silently_wrong_values_are_refused() {
+    let a = Agent::new();
+    let t = a.tmp.path();
+    fails_with(
+        &["data", "synth", "--task", "needle", "--tokens", "18446744073709551615", "--count", "1", "--out", s(&t.join("s.jsonl"))],
+        &["--tokens", "18446744073709551615", "at most"],
+    );
+    assert!(!t.join("s.jsonl").exists());
+    a.fails("eval", &a.data, &t.join("ev"), &["--lengths", "0"], &["--lengths", "0", "at least 1"]);
+    a.fails("eval", &a.data, &t.join("ev"), &["--lengths", "100,0"], &["--lengths", "0", "at least 1"]);
+    a.fails("rollout", &a.data, &t.join("o.jsonl"), &["--pad-to-tokens", "0"], &["--pad-to-tokens", "at least 1"]);
+    fails_with(&["data", "convert", "--data", s(&a.data), "--pad-to-tokens", "0", "--out", s(&t.join("c.jsonl"))], &["--pad-to-tokens", "at least 1"]);
+    for beta in ["NaN", "inf", "-inf"] {
+        a.fails("rollout", &a.data, &t.join("o.jsonl"), &[&format!("--beta={beta}")], &["--beta", "finite"]);
+    }
+    a.fails("rollout", &a.data, &t.join("o.jsonl"), &["--temperature", "NaN"], &["--temperature"]);
+    a.fails("rollout", &a.data, &t.join("o.jsonl"), &["--top-p", "0"], &["--top-p"]);
+    fails_with(
+        &["generate", "--model", s(&a.model), "--chat", "hi", "--max-new-tokens", "4", "--stop", "ok", "--stop", ""],
+        &["--stop", "empty"],
+    );
+}
+
+// ---- item 18 (part): an --out that cannot be written fails before the compute --------------------
+
+#[test]
+fn unwritable_out_fails_before_any_compute() {
+    let a = Agent::new();
+    let t = a.tmp.path();
+    let file = t.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    // under a regular file; under a directory that cannot be created (/proc refuses new entries
+    // even to root, where permission bits would not stop us); an existing directory as a file
+    for out in [file.join("o.jsonl"), file.join("sub/o.jsonl"), PathBuf::from("/proc/infomem-no-such-dir/o.jsonl"), t.to_path_buf()] {
+        let o = a.fails("rollout", &a.data, &out, &[], &["--out", s(&out)]);
+        assert!(!o.stderr.contains("conversations"), "the rollout ran before the error:\n{}", o.stderr);
+    }
+    for out in [file.join("ev"), PathBuf::from("/proc/infomem-no-such-dir/ev"), file.clone()] {
+        let o = a.fails("eval", &a.data, &out, &[], &["--out", s(&out)]);
+        assert!(!o.stderr.contains("conversations"), "the eval ran before the error:\n{}", o.stderr);
+    }
+    fails_with(&["data", "synth", "--task", "needle", "--tokens", "100", "--out", s(&file.join("s.jsonl"))], &["--out"]);
+    // no probe file is left behind in a writable directory
+    a.ok("rollout", &a.data, &t.join("new/dir/o.jsonl"), &[]);
+    let left: Vec<_> = std::fs::read_dir(t.join("new/dir")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("o.jsonl")]);
+}
