@@ -8,7 +8,7 @@
 //! | family | ops | CPU twin | CUDA launch | kernel |
 //! |---|---|---|---|---|
 //! | norm | rmsnorm, add_rmsnorm, add, rmsnorm_bwd | cpu/norm.rs | cuda/norm.rs | kernels/norm.cu |
-//! | rope | rope, rope_bwd | cpu/rope.rs | cuda/rope.rs | kernels/rope.cu |
+//! | rope | rope, rope_bwd, qk_norm_rope, qk_norm_rope_bwd (Qwen3's per-head q/k norm fused with RoPE) | cpu/rope.rs | cuda/rope.rs | kernels/rope.cu |
 //! | swiglu | swiglu, swiglu_bwd | cpu/swiglu.rs | cuda/swiglu.rs | kernels/swiglu.cu |
 //! | memory | embed, gather_rows, scale_rows, scatter_add_rows, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
 //! | attention | paged causal GQA attention (prefill, scoring, decode); the KV cache (kv_new, kv_store, kv_copy_page) | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
@@ -233,6 +233,12 @@ pub trait Backend: Send + Sync {
     /// Rotate the q and k parts of the fused `qkv [rows, qkv_dim]` in place (HF's rotate_half
     /// convention) at `positions[row]`, with `inv_freq` (`head_dim/2`).
     fn rope(&self, qkv: &mut Self::Buf, positions: &[u32], inv_freq: &[f32], geom: AttnGeom) -> Result<()>;
+    /// Qwen3's q/k norm fused with RoPE, in place on the fused `qkv [rows, qkv_dim]`: each q head
+    /// (`head_dim` wide) becomes `rmsnorm(q_h) · q_norm` and each k head `rmsnorm(k_h) · k_norm`
+    /// (`q_norm`, `k_norm` of `head_dim`; eps `eps`, the model's `rms_norm_eps`), then q and k are
+    /// rotated exactly as [`Backend::rope`]; v is untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(&self, qkv: &mut Self::Buf, q_norm: &Self::Buf, k_norm: &Self::Buf, eps: f32, positions: &[u32], inv_freq: &[f32], geom: AttnGeom) -> Result<()>;
     /// Store the k and v parts of `qkv` rows into the cache of `layer` at `slots[row]`.
     fn kv_store(&self, kv: &mut Self::Kv, layer: usize, qkv: &Self::Buf, slots: &[u32], geom: AttnGeom) -> Result<()>;
     /// Causal attention of each sequence's query rows over its cached keys/values (GQA):
@@ -297,6 +303,12 @@ pub trait TrainBackend: Backend {
     fn rmsnorm_bwd(&self, x: &Self::Buf, w: &Self::Buf, dy: &Self::Buf, eps: f32, rows: usize, d: usize, dx: &mut Self::Buf, accumulate: bool) -> Result<()>;
     /// Backward of `rope`: the inverse rotation of the q and k parts of `dqkv` in place (v untouched).
     fn rope_bwd(&self, dqkv: &mut Self::Buf, positions: &[u32], inv_freq: &[f32], geom: AttnGeom) -> Result<()>;
+    /// Backward of `qk_norm_rope` (the norm weights are frozen): `pre [rows, qkv_dim]` is its input
+    /// (the projections' output); `dqkv` holds the gradient w.r.t. its output and is overwritten in
+    /// place, on its q and k parts, with the gradient w.r.t. `pre` (inverse rotation, then the
+    /// per-head RMSNorm backward); the v part is untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_bwd(&self, pre: &Self::Buf, q_norm: &Self::Buf, k_norm: &Self::Buf, eps: f32, dqkv: &mut Self::Buf, positions: &[u32], inv_freq: &[f32], geom: AttnGeom) -> Result<()>;
     /// Backward of `swiglu`: `dgate_up [m, 2i]` (overwritten) from `gate_up [m, 2i]` and `dact [m, i]`.
     fn swiglu_bwd(&self, gate_up: &Self::Buf, dact: &Self::Buf, m: usize, i: usize, dgate_up: &mut Self::Buf) -> Result<()>;
     /// Input gradient of a frozen projection `y = x wᵀ`: `dx[m, k] (+)= dy[m, n] · w[n, k]`.

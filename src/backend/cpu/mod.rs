@@ -152,6 +152,12 @@ impl Backend for CpuBackend {
         rope::rope_qkv(qkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, 1.0);
         Ok(())
     }
+    fn qk_norm_rope(&self, qkv: &mut Vec<f32>, q_norm: &Vec<f32>, k_norm: &Vec<f32>, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
+        ensure!(qkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope: qkv too small");
+        rope::qk_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, g);
+        Ok(())
+    }
     fn kv_store(&self, kv: &mut CpuKv, layer: usize, qkv: &Vec<f32>, slots: &[u32], _g: AttnGeom) -> Result<()> {
         kv.store(layer, qkv, slots);
         Ok(())
@@ -220,6 +226,12 @@ impl TrainBackend for CpuBackend {
     }
     fn rope_bwd(&self, dqkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         rope::rope_qkv(dqkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, -1.0);
+        Ok(())
+    }
+    fn qk_norm_rope_bwd(&self, pre: &Vec<f32>, q_norm: &Vec<f32>, k_norm: &Vec<f32>, eps: f32, dqkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope_bwd: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
+        ensure!(pre.len() >= positions.len() * g.qkv_dim() && dqkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope_bwd: buffers too small");
+        rope::qk_norm_rope_bwd(pre, q_norm, k_norm, eps, dqkv, positions, inv_freq, g);
         Ok(())
     }
     fn swiglu_bwd(&self, gate_up: &Vec<f32>, dact: &Vec<f32>, m: usize, i: usize, dgate_up: &mut Vec<f32>) -> Result<()> {

@@ -1,7 +1,11 @@
 //! RoPE on the CPU (twin of kernels/rope.cu, launched by src/backend/cuda/rope.rs): HF's
 //! rotate_half convention on the q and k parts of the fused qkv rows; the backward is the same
-//! rotation by the opposite angle (`sign` = −1).
+//! rotation by the opposite angle (`sign` = −1). Qwen3's per-head q/k RMSNorm runs fused with it
+//! (`qk_norm_rope`): each head is normalized, scaled by its norm weight, then rotated; the
+//! backward rotates back and applies the RMSNorm backward to the head's pre-norm values.
+use super::norm::{inv_rms, rmsnorm_bwd_row};
 use super::ROWS_PER_TASK;
+use crate::backend::AttnGeom;
 use rayon::prelude::*;
 
 /// cos/sin of `pos · inv_freq` in f32, as transformers computes them.
@@ -47,6 +51,56 @@ pub fn rope_qkv(qkv: &mut [f32], positions: &[u32], inv_freq: &[f32], n_heads: u
         });
 }
 
+/// Qwen3: per-head RMSNorm of q (weight `qn`) and k (weight `kn`), then RoPE, in place.
+pub fn qk_norm_rope(qkv: &mut [f32], qn: &[f32], kn: &[f32], eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) {
+    let (hd, nh, nkv, width) = (g.head_dim, g.n_heads, g.n_kv_heads, g.qkv_dim());
+    qkv[..positions.len() * width]
+        .par_chunks_mut(width * ROWS_PER_TASK)
+        .zip(positions.par_chunks(ROWS_PER_TASK))
+        .for_each(|(rows, pos)| {
+            let half = hd / 2;
+            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+            for (row, &p) in rows.chunks_exact_mut(width).zip(pos) {
+                rope_cos_sin(p, inv_freq, &mut cos, &mut sin);
+                for h in 0..nh + nkv {
+                    let w = if h < nh { qn } else { kn };
+                    let v = &mut row[h * hd..(h + 1) * hd];
+                    let s = inv_rms(v, eps);
+                    for (x, &wi) in v.iter_mut().zip(w) {
+                        *x = *x * s * wi;
+                    }
+                    rope_apply(v, &cos, &sin, 1.0);
+                }
+            }
+        });
+}
+
+/// Backward of [`qk_norm_rope`]: `dqkv`'s q/k heads (gradient w.r.t. the output) become the
+/// gradient w.r.t. `pre` (the input): inverse rotation, then the RMSNorm backward of each head.
+pub fn qk_norm_rope_bwd(pre: &[f32], qn: &[f32], kn: &[f32], eps: f32, dqkv: &mut [f32], positions: &[u32], inv_freq: &[f32], g: AttnGeom) {
+    let (hd, nh, nkv, width) = (g.head_dim, g.n_heads, g.n_kv_heads, g.qkv_dim());
+    let n = positions.len();
+    dqkv[..n * width]
+        .par_chunks_mut(width * ROWS_PER_TASK)
+        .zip(pre[..n * width].par_chunks(width * ROWS_PER_TASK))
+        .zip(positions.par_chunks(ROWS_PER_TASK))
+        .for_each(|((drows, prows), pos)| {
+            let half = hd / 2;
+            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+            let mut dy = vec![0f32; hd];
+            for ((drow, prow), &p) in drows.chunks_exact_mut(width).zip(prows.chunks_exact(width)).zip(pos) {
+                rope_cos_sin(p, inv_freq, &mut cos, &mut sin);
+                for h in 0..nh + nkv {
+                    let w = if h < nh { qn } else { kn };
+                    let (d, x) = (&mut drow[h * hd..(h + 1) * hd], &prow[h * hd..(h + 1) * hd]);
+                    dy.copy_from_slice(d);
+                    rope_apply(&mut dy, &cos, &sin, -1.0);
+                    rmsnorm_bwd_row(x, w, &dy, inv_rms(x, eps), d, false);
+                }
+            }
+        });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +120,41 @@ mod tests {
         rope_apply(&mut v, &c, &s, -1.0);
         for (a, b) in v.iter().zip(&orig) {
             assert!((a - b).abs() < 1e-5);
+        }
+    }
+
+    /// The backward against central finite differences of the forward (f64 on a tiny head).
+    #[test]
+    fn qk_norm_rope_backward_matches_finite_differences() {
+        let g = AttnGeom { n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 8, page_size: 16 };
+        let w = g.qkv_dim();
+        let rows = 3;
+        let inv: Vec<f32> = (0..4).map(|i| 1.0 / 100f32.powf(2.0 * i as f32 / 8.0)).collect();
+        let pos = [0u32, 5, 77];
+        let pre: Vec<f32> = (0..rows * w).map(|i| ((i as f32) * 0.73).sin() * 1.5).collect();
+        let qn: Vec<f32> = (0..8).map(|i| 0.5 + 0.1 * i as f32).collect();
+        let kn: Vec<f32> = (0..8).map(|i| 1.5 - 0.07 * i as f32).collect();
+        let up: Vec<f32> = (0..rows * w).map(|i| ((i as f32) * 0.31).cos()).collect();
+        // loss = Σ up · f(pre)
+        let loss = |x: &[f32]| -> f64 {
+            let mut y = x.to_vec();
+            qk_norm_rope(&mut y, &qn, &kn, 1e-6, &pos, &inv, g);
+            y.iter().zip(&up).map(|(a, b)| *a as f64 * *b as f64).sum()
+        };
+        let mut d = up.clone();
+        qk_norm_rope_bwd(&pre, &qn, &kn, 1e-6, &mut d, &pos, &inv, g);
+        for i in 0..rows * w {
+            let col = i % w;
+            if col >= g.q_dim() + g.kv_dim() {
+                assert_eq!(d[i], up[i], "v passes through");
+                continue;
+            }
+            let h = 1e-2f32;
+            let (mut a, mut b) = (pre.clone(), pre.clone());
+            a[i] += h;
+            b[i] -= h;
+            let fd = (loss(&a) - loss(&b)) / (2.0 * h as f64);
+            assert!((d[i] as f64 - fd).abs() < 2e-3 * (1.0 + fd.abs()), "element {i}: {} vs fd {fd}", d[i]);
         }
     }
 }

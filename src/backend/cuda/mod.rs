@@ -164,6 +164,9 @@ impl Backend for CudaBackend {
     fn rope(&self, qkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         rope::rope(self, qkv, positions, inv_freq, g)
     }
+    fn qk_norm_rope(&self, qkv: &mut CudaBuf, q_norm: &CudaBuf, k_norm: &CudaBuf, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        rope::qk_norm_rope(self, qkv, q_norm, k_norm, eps, positions, inv_freq, g)
+    }
     fn kv_store(&self, kv: &mut CudaKv, layer: usize, qkv: &CudaBuf, slots: &[u32], g: AttnGeom) -> Result<()> {
         attention::kv_store(self, kv, layer, qkv, slots, g)
     }
@@ -202,6 +205,9 @@ impl TrainBackend for CudaBackend {
     }
     fn rope_bwd(&self, dqkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         rope::rope_bwd(self, dqkv, positions, inv_freq, g)
+    }
+    fn qk_norm_rope_bwd(&self, pre: &CudaBuf, q_norm: &CudaBuf, k_norm: &CudaBuf, eps: f32, dqkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        rope::qk_norm_rope_bwd(self, pre, q_norm, k_norm, eps, dqkv, positions, inv_freq, g)
     }
     fn swiglu_bwd(&self, gate_up: &CudaBuf, dact: &CudaBuf, m: usize, i: usize, dgate_up: &mut CudaBuf) -> Result<()> {
         swiglu::swiglu_bwd(self, gate_up, dact, m, i, dgate_up)

@@ -31,3 +31,16 @@ fn rotate(be: &CudaBackend, op: &str, buf: &str, qkv: &mut CudaBuf, positions: &
     let (q, heads, hd, width) = (qkv.ptr(), (g.n_heads + g.n_kv_heads) as i32, g.head_dim as i32, g.qkv_dim() as i32);
     launch!(be, &format!("{op}_{}", qkv.dtype.suffix()), positions.len(), 128, q, pp, fp, heads, hd, width)
 }
+
+/// Qwen3's per-head q/k RMSNorm fused with RoPE (placeholder until the kernel lands).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qk_norm_rope(be: &CudaBackend, qkv: &mut CudaBuf, q_norm: &CudaBuf, k_norm: &CudaBuf, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    let _ = (be, qkv, q_norm, k_norm, eps, positions, inv_freq, g);
+    anyhow::bail!("cuda qk_norm_rope: not implemented yet")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qk_norm_rope_bwd(be: &CudaBackend, pre: &CudaBuf, q_norm: &CudaBuf, k_norm: &CudaBuf, eps: f32, dqkv: &mut CudaBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    let _ = (be, pre, q_norm, k_norm, eps, dqkv, positions, inv_freq, g);
+    anyhow::bail!("cuda qk_norm_rope_bwd: not implemented yet")
+}
