@@ -190,7 +190,8 @@ fn batch_file_errors() {
 fn random_model(arch: &str, seed: u64) -> Model<CpuBackend> {
     let cfg = ModelConfig::from_json(&json!({
         "model_type": arch, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 97,
+        // Qwen3: head_dim 12, so q (48 wide) is wider than hidden (32), as in Qwen3-4B
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": if arch == "qwen3" { 12 } else { 8 }, "vocab_size": 97,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": arch == "llama"
     }))
     .unwrap();
@@ -208,6 +209,10 @@ fn random_model(arch: &str, seed: u64) -> Model<CpuBackend> {
             attn_norm: norm(&mut nrng),
             qkv: t(vec![q + 2 * kv, d], 1.0 / (d as f64).sqrt()),
             qkv_bias: if cfg.qkv_bias { Some(t(vec![q + 2 * kv], 0.1)) } else { None },
+            qk_norm: cfg.qk_norm.then(|| {
+                let hn = |rng: &mut Rng| HostTensor::new(vec![cfg.head_dim], (0..cfg.head_dim).map(|_| (1.0 + 0.2 * rng.normal()) as f32).collect());
+                (hn(&mut nrng), hn(&mut nrng))
+            }),
             o: t(vec![d, q], 1.0 / (q as f64).sqrt()),
             mlp_norm: norm(&mut nrng),
             gate_up: t(vec![2 * i, d], 1.0 / (d as f64).sqrt()),
@@ -351,6 +356,12 @@ fn whole_model_finite_differences_qwen2() {
 #[test]
 fn whole_model_finite_differences_llama() {
     model_fd("llama");
+}
+
+/// Qwen3: the gradient flows back through the per-head q/k norms (head_dim ≠ hidden / heads).
+#[test]
+fn whole_model_finite_differences_qwen3() {
+    model_fd("qwen3");
 }
 
 // =============================================================================================
@@ -705,7 +716,7 @@ fn optimizer_step_lowers_the_loss() {
 #[test]
 fn kept_activations_match_recompute() {
     use infomem_engine::runtime::backward::policy_grads_keeping;
-    for arch in ["qwen2", "llama"] {
+    for arch in ["qwen2", "llama", "qwen3"] {
         let model = random_model(arch, 21);
         let (convs, _) = fd_batch(&model, 9);
         let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();

@@ -379,9 +379,10 @@ pub fn keep_override() -> Result<Option<usize>> {
 pub fn lora_backward_f32s_per_row(cfg: &ModelConfig) -> usize {
     let (d, l, i, nh) = (cfg.hidden, cfg.n_layers, cfg.intermediate, cfg.n_heads);
     let (q, qkv) = (cfg.q_dim(), cfg.q_dim() + 2 * cfg.kv_dim());
+    let qkv_pre = if cfg.qk_norm { qkv } else { 0 }; // Qwen3: the projections' output before the q/k norm
     l * d                                   // saved input residual of every layer
         + d                                 // the residual stream x
-        + d + qkv + q + nh + d + d + 2 * i + i // Acts: h1 qkv att lse o h2 gu act
+        + d + qkv_pre + qkv + q + nh + d + d + 2 * i + i // Acts: h1 qkv_pre qkv att lse o h2 gu act
         + d + i + 2 * i + d + q + qkv       // dres dact dgu dhid datt dqkv
         + 4 * d // head rows: sel hn dh dsel
 }

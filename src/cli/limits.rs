@@ -304,11 +304,12 @@ pub fn check_agent_plan(
     }
     if let Some((i, _, why)) = worst {
         bail!(
-            "record {} ({} of {} records do not fit): {why}, but {model_name} has max_position_embeddings {p}; \
+            "record {} ({} of {} records do not fit): {why}, but {model_name} has {}; \
              lower --chunk-tokens, --memory-tokens or --answer-tokens, or shorten the templates (--templates) or the questions",
             recs[i].id,
             bad,
-            recs.len()
+            recs.len(),
+            cfg.position_limit()
         );
     }
     let per_query: u128 = if held.queries == recs.len() {
@@ -332,12 +333,12 @@ pub fn check_agent_plan(
 /// Every conversation of a GRPO batch fits the model's positions (prompt + response). For
 /// `grpo-grad`, right after `grpo::parse_batch`.
 #[allow(dead_code)] // for `grpo-grad` (src/cli/train.rs), which does not call it yet
-pub fn check_conversations_fit(convs: &[Conversation], max_position: usize) -> Result<()> {
+pub fn check_conversations_fit(convs: &[Conversation], max_position: usize, limit: &str) -> Result<()> {
     for (i, c) in convs.iter().enumerate() {
         let n = c.prompt.len().saturating_add(c.response.len());
         if n > max_position {
             bail!(
-                "conversation {i}: prompt {} + response {} = {n} positions, more than the model's max_position_embeddings {max_position}",
+                "conversation {i}: prompt {} + response {} = {n} positions, more than the model's {limit}",
                 c.prompt.len(),
                 c.response.len()
             );
@@ -375,8 +376,8 @@ mod tests {
     #[test]
     fn conversations_against_positions() {
         let conv = |p: usize, r: usize| Conversation { prompt: vec![1; p], response: vec![2; r], ..Default::default() };
-        assert!(check_conversations_fit(&[conv(250, 6)], 256).is_ok());
-        let e = check_conversations_fit(&[conv(3, 2), conv(300, 2)], 256).unwrap_err().to_string();
+        assert!(check_conversations_fit(&[conv(250, 6)], 256, "max_position_embeddings 256").is_ok());
+        let e = check_conversations_fit(&[conv(3, 2), conv(300, 2)], 256, "max_position_embeddings 256").unwrap_err().to_string();
         assert!(e.contains("conversation 1") && e.contains("302") && e.contains("max_position_embeddings 256"), "{e}");
     }
 }

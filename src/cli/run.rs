@@ -95,7 +95,7 @@ fn check_len<B: Backend>(m: &Model<B>, what: &str, ids: &[u32], extra: usize, ex
     check_ids(ids, m.cfg.vocab, what)?;
     let max = m.cfg.max_position;
     if ids.len() > max {
-        bail!("{what} is too long: {} tokens exceed the model's max_position_embeddings {max}", ids.len());
+        bail!("{what} is too long: {} tokens exceed the model's {}", ids.len(), m.cfg.position_limit());
     }
     // compared as room left, not as a sum: a huge `extra` must not wrap around (2^64 − 2 new
     // tokens would otherwise pass and fail later as a full KV cache)
@@ -106,7 +106,7 @@ fn check_len<B: Backend>(m: &Model<B>, what: &str, ids: &[u32], extra: usize, ex
         } else {
             (format!("{extra} {extra_what}"), format!("at most {room} {extra_what} fit after it"))
         };
-        bail!("{what} is too long: {} tokens + {added} exceed the model's max_position_embeddings {max}; {limit}", ids.len());
+        bail!("{what} is too long: {} tokens + {added} exceed the model's {}; {limit}", ids.len(), m.cfg.position_limit());
     }
     Ok(())
 }

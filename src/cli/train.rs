@@ -41,7 +41,7 @@ pub fn grpo_grad(a: GrpoGradArgs) -> Result<()> {
     let model = a.model.load_cpu()?;
     let text = std::fs::read_to_string(&a.batch).with_context(|| format!("cannot read batch file {}", a.batch.display()))?;
     let batch = grpo::parse_batch(&text, model.cfg.vocab).with_context(|| format!("batch file {}", a.batch.display()))?;
-    super::limits::check_conversations_fit(&batch.conversations, model.cfg.max_position).with_context(|| format!("batch file {}", a.batch.display()))?;
+    super::limits::check_conversations_fit(&batch.conversations, model.cfg.max_position, &model.cfg.position_limit()).with_context(|| format!("batch file {}", a.batch.display()))?;
     let (stats, grads) = grpo::loss_and_grads(&model, &batch.conversations, &batch.cfg)?;
     let tensors = grads.to_peft(&model)?;
     if let Some((k, _)) = tensors.iter().find(|(_, t)| t.data.iter().any(|v| !v.is_finite())) {

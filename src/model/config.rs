@@ -1,8 +1,12 @@
 //! `config.json` of an HF model directory, reduced to what this transformer needs.
 //!
-//! Supports Llama (SmolLM2, Llama 3.x; tied or untied head) and Qwen2 (Qwen2.5: q/k/v biases).
-//! Both the classic top-level `rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`
-//! block are read. Anything else is refused with a message naming what was found.
+//! Supports Llama (SmolLM2, Llama 3.x with `llama3` rope scaling; tied or untied head), Mistral
+//! (Llama-shaped; a sliding window is a context limit, see [`ModelConfig::position_limit`]),
+//! Qwen2 (Qwen2.5: q/k/v biases) and Qwen3 (per-head q/k RMSNorm, `head_dim` independent of
+//! `hidden_size`). Both the classic top-level `rope_theta`/`rope_scaling` and transformers 5's
+//! `rope_parameters` block are read. Known architectures the engine does not implement (MoE,
+//! hybrid linear attention, Gemma) are refused with what is missing, before any weight is read;
+//! anything else unknown is refused with what was found.
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::path::Path;
@@ -10,16 +14,72 @@ use std::path::Path;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     Llama,
+    Mistral,
     Qwen2,
+    Qwen3,
 }
 
 impl Arch {
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
+
+    /// From `model_type`, else from `architectures` (older checkpoints omit the former).
+    fn detect(model_type: &str, archs: &[&str]) -> Option<Arch> {
+        let by_type = |t: &str| match t {
+            "llama" => Some(Arch::Llama),
+            "mistral" => Some(Arch::Mistral),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
+            _ => None,
+        };
+        if !model_type.is_empty() {
+            return by_type(model_type);
+        }
+        archs.iter().find_map(|a| match *a {
+            "LlamaForCausalLM" => Some(Arch::Llama),
+            "MistralForCausalLM" => Some(Arch::Mistral),
+            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            _ => None,
+        })
+    }
+}
+
+/// The supported architectures, for messages.
+pub const SUPPORTED: &str = "llama (Llama 2/3.x, SmolLM2), mistral, qwen2 (Qwen2/2.5), qwen3 (dense Qwen3)";
+
+/// Families people bring that this engine does not implement, matched on `model_type` or an
+/// `architectures` entry (lower-cased substring), with what is missing.
+const UNSUPPORTED: &[(&[&str], &str, &str)] = &[
+    (
+        &["qwen3_5", "qwen3.5", "qwen3_next", "qwen3next"],
+        "Qwen3.5 / Qwen3-Next",
+        "hybrid linear attention (Gated DeltaNet layers interleaved with gated full attention) is not implemented; only softmax attention is",
+    ),
+    (
+        &["moe", "mixtral", "deepseek_v2", "deepseek_v3", "deepseekv2", "deepseekv3", "gpt_oss", "gptoss", "llama4", "dbrx", "jamba", "jetmoe", "arctic", "minimax"],
+        "a mixture-of-experts model",
+        "routed expert MLPs (router, top-k experts, load balancing) are not implemented; only dense SwiGLU MLPs are",
+    ),
+    (
+        &["gemma"],
+        "Gemma",
+        "Gemma's (1 + w) RMSNorm, GeGLU (gelu_tanh) MLP, √hidden embedding scale, and in Gemma 2/3 logit soft-capping, interleaved sliding-window layers and q/k norms are not implemented",
+    ),
+];
+
+fn unsupported_family(model_type: &str, archs: &[&str]) -> Option<(&'static str, &'static str)> {
+    let names: Vec<String> = std::iter::once(model_type).chain(archs.iter().copied()).map(str::to_lowercase).collect();
+    UNSUPPORTED
+        .iter()
+        .find(|(keys, _, _)| keys.iter().any(|k| names.iter().any(|n| n.contains(k))))
+        .map(|&(_, family, missing)| (family, missing))
 }
 
 /// RoPE frequency scaling. `Llama3` is the piecewise rescaling of Llama 3.1+.
@@ -28,6 +88,15 @@ pub enum RopeScaling {
     None,
     Linear { factor: f64 },
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: f64 },
+}
+
+/// Which config field bounds the sequence length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PositionLimit {
+    MaxPositionEmbeddings,
+    /// `sliding_window` is smaller than `max_position_embeddings`: a longer sequence would need
+    /// windowed attention, which the engine does not implement, so it is refused.
+    SlidingWindow,
 }
 
 #[derive(Clone, Debug)]
@@ -44,9 +113,15 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
     pub tie_word_embeddings: bool,
-    /// q/k/v projections carry a bias (Qwen2 always; Llama when `attention_bias`).
+    /// q/k/v projections carry a bias (Qwen2 always; the others when `attention_bias`).
     pub qkv_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (`q_norm`/`k_norm`, Qwen3).
+    pub qk_norm: bool,
+    /// The longest sequence (positions) a run may reach: `max_position_embeddings`, or a smaller
+    /// sliding window (Mistral), since attention beyond the window is not implemented.
     pub max_position: usize,
+    /// What sets `max_position`, for error messages (see [`ModelConfig::position_limit`]).
+    pub position_limit_source: PositionLimit,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -70,16 +145,14 @@ impl ModelConfig {
             .and_then(Value::as_array)
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        let arch = match model_type {
-            "llama" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            "" if archs.iter().any(|a| *a == "LlamaForCausalLM") => Arch::Llama,
-            "" if archs.iter().any(|a| *a == "Qwen2ForCausalLM") => Arch::Qwen2,
-            other => bail!(
-                "unsupported architecture: model_type {:?} (architectures {:?}); supported: llama, qwen2",
-                other,
-                archs
-            ),
+        let arch = match Arch::detect(model_type, &archs) {
+            Some(a) => a,
+            None => match unsupported_family(model_type, &archs) {
+                Some((family, missing)) => bail!(
+                    "unsupported architecture: model_type {model_type:?} (architectures {archs:?}) is {family}: {missing}. Supported: {SUPPORTED}"
+                ),
+                None => bail!("unsupported architecture: model_type {model_type:?} (architectures {archs:?}); supported: {SUPPORTED}"),
+            },
         };
         // Sizes are positive integers: 0 would give empty matrices and a model that silently
         // outputs nothing useful.
@@ -119,8 +192,8 @@ impl ModelConfig {
         if opt_bool(v, "mlp_bias")? == Some(true) {
             bail!("mlp_bias = true is not supported");
         }
-        if arch == Arch::Qwen2 && opt_bool(v, "use_sliding_window")? == Some(true) {
-            bail!("use_sliding_window = true is not supported (sliding-window attention)");
+        if matches!(arch, Arch::Qwen2 | Arch::Qwen3) && opt_bool(v, "use_sliding_window")? == Some(true) {
+            bail!("use_sliding_window = true is not supported (sliding-window attention is not implemented)");
         }
 
         // rope: transformers 5 writes `rope_parameters`, older checkpoints `rope_theta` + `rope_scaling`.
@@ -184,7 +257,7 @@ impl ModelConfig {
         };
         let qkv_bias = match arch {
             Arch::Qwen2 => true,
-            Arch::Llama => opt_bool(v, "attention_bias")?.unwrap_or(false),
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 => opt_bool(v, "attention_bias")?.unwrap_or(false),
         };
         // Missing eps: HF's LlamaConfig default. A value that is not a positive f32 (0, negative,
         // below f32's range) makes rmsnorm divide by zero or take the root of a negative: NaN.
@@ -192,9 +265,20 @@ impl ModelConfig {
         if !(rms_eps > 0.0 && (rms_eps as f32) > 0.0 && (rms_eps as f32).is_finite()) {
             bail!("rms_norm_eps must be a positive number (got {rms_eps}); HF models use values like 1e-5 or 1e-6");
         }
-        let max_position = match field(v, "max_position_embeddings") {
+        let max_position_embeddings = match field(v, "max_position_embeddings") {
             None => 4096,
             Some(_) => get_usize("max_position_embeddings")?,
+        };
+        // Mistral's sliding window: attention over the last `sliding_window` positions. Up to the
+        // window it is plain causal attention; past it the engine would need windowed attention,
+        // so the window becomes the run's context limit (checked against every budget up front).
+        let window = match (arch, field(v, "sliding_window")) {
+            (Arch::Mistral, Some(_)) => Some(get_usize("sliding_window")?),
+            _ => None,
+        };
+        let (max_position, position_limit_source) = match window {
+            Some(w) if w < max_position_embeddings => (w, PositionLimit::SlidingWindow),
+            _ => (max_position_embeddings, PositionLimit::MaxPositionEmbeddings),
         };
         let cfg = ModelConfig {
             arch,
@@ -210,7 +294,9 @@ impl ModelConfig {
             rope_scaling,
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
+            qk_norm: arch == Arch::Qwen3,
             max_position,
+            position_limit_source,
             bos_token_id,
             eos_token_ids,
         };
@@ -231,6 +317,18 @@ impl ModelConfig {
             );
         }
         Ok(cfg)
+    }
+
+    /// `max_position` with what sets it, for messages: "max_position_embeddings 4096" or
+    /// "sliding_window 4096 (attention beyond the window is not implemented)".
+    pub fn position_limit(&self) -> String {
+        match self.position_limit_source {
+            PositionLimit::MaxPositionEmbeddings => format!("max_position_embeddings {}", self.max_position),
+            PositionLimit::SlidingWindow => format!(
+                "sliding_window {} (Mistral's windowed attention is not implemented, so sequences are limited to the window)",
+                self.max_position
+            ),
+        }
     }
 
     pub fn q_dim(&self) -> usize {
@@ -279,7 +377,7 @@ impl ModelConfig {
         let attn = d.checked_mul(q)?.checked_mul(2)?.checked_add(d.checked_mul(kv)?.checked_mul(2)?)?;
         let mlp = d.checked_mul(self.intermediate)?.checked_mul(3)?;
         let emb = self.vocab.checked_mul(d)?.checked_mul(2)?;
-        let layer = attn.checked_add(mlp)?.checked_add(d.checked_mul(2)?)?;
+        let layer = attn.checked_add(mlp)?.checked_add(d.checked_mul(2)?)?.checked_add(self.head_dim.checked_mul(2)?)?;
         self.n_layers.checked_mul(layer)?.checked_add(emb)?.checked_add(d)
     }
 
@@ -289,7 +387,8 @@ impl ModelConfig {
         let attn = d * self.q_dim() * 2 + d * self.kv_dim() * 2;
         let mlp = 3 * d * self.intermediate;
         let emb = self.vocab * d * if self.tie_word_embeddings { 1 } else { 2 };
-        self.n_layers * (attn + mlp + 2 * d) + emb + d
+        let qk_norm = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        self.n_layers * (attn + mlp + 2 * d + qk_norm) + emb + d
     }
 }
 
@@ -358,9 +457,58 @@ mod tests {
     #[test]
     fn unknown_arch_is_named() {
         let mut v = base();
-        v["model_type"] = json!("mistral");
+        v["model_type"] = json!("falcon");
         let e = ModelConfig::from_json(&v).unwrap_err().to_string();
-        assert!(e.contains("mistral") && e.contains("llama, qwen2"), "{e}");
+        assert!(e.contains("falcon") && e.contains("qwen3") && e.contains("mistral"), "{e}");
+    }
+
+    /// Families users bring that are not implemented: named, with what is missing.
+    #[test]
+    fn unsupported_families_say_what_is_missing() {
+        for (mt, arch, want) in [
+            ("qwen3_5", "Qwen3_5ForConditionalGeneration", "linear attention"),
+            ("qwen3_next", "Qwen3NextForCausalLM", "linear attention"),
+            ("qwen3_moe", "Qwen3MoeForCausalLM", "expert"),
+            ("mixtral", "MixtralForCausalLM", "expert"),
+            ("deepseek_v3", "DeepseekV3ForCausalLM", "expert"),
+            ("gemma2", "Gemma2ForCausalLM", "soft-capping"),
+            ("gemma3", "Gemma3ForConditionalGeneration", "Gemma"),
+            ("", "Gemma3ForCausalLM", "Gemma"),
+        ] {
+            let mut v = base();
+            v["model_type"] = json!(mt);
+            v["architectures"] = json!([arch]);
+            let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains("unsupported architecture") && e.contains(want) && e.contains("Supported:"), "{mt}: {e}");
+        }
+    }
+
+    #[test]
+    fn qwen3_and_mistral() {
+        let mut v = base();
+        v["model_type"] = json!("qwen3");
+        v["head_dim"] = json!(32); // q is 128 wide with hidden 64
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!((c.arch, c.qk_norm, c.qkv_bias, c.q_dim(), c.kv_dim()), (Arch::Qwen3, true, false, 128, 64));
+        v["attention_bias"] = json!(true);
+        assert!(ModelConfig::from_json(&v).unwrap().qkv_bias);
+        v["use_sliding_window"] = json!(true);
+        assert!(ModelConfig::from_json(&v).unwrap_err().to_string().contains("sliding"));
+
+        let mut v = base();
+        v["model_type"] = json!("mistral");
+        v["max_position_embeddings"] = json!(32768);
+        v["sliding_window"] = json!(null);
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!((c.arch, c.qk_norm, c.max_position), (Arch::Mistral, false, 32768));
+        v["sliding_window"] = json!(4096);
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!((c.max_position, c.position_limit_source), (4096, PositionLimit::SlidingWindow));
+        assert!(c.position_limit().contains("sliding_window 4096"), "{}", c.position_limit());
+        v["sliding_window"] = json!(131072); // larger than any reachable sequence: plain causal
+        assert_eq!(ModelConfig::from_json(&v).unwrap().max_position, 32768);
+        v["sliding_window"] = json!(0);
+        assert!(ModelConfig::from_json(&v).is_err());
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct LayerWeights {
     pub qkv: HostTensor,
     /// `[q_dim + 2 kv_dim]` when the architecture has q/k/v biases.
     pub qkv_bias: Option<HostTensor>,
+    /// `(q_norm [head_dim], k_norm [head_dim])`: Qwen3's per-head q/k RMSNorm weights.
+    pub qk_norm: Option<(HostTensor, HostTensor)>,
     pub o: HostTensor,
     pub mlp_norm: HostTensor,
     /// `[2 intermediate, hidden]`: rows of gate_proj, then up_proj.
@@ -242,10 +244,16 @@ impl ModelWeights {
             } else {
                 None
             };
+            let qk_norm = if cfg.qk_norm {
+                Some((g("self_attn.q_norm.weight", &[cfg.head_dim])?, g("self_attn.k_norm.weight", &[cfg.head_dim])?))
+            } else {
+                None
+            };
             layers.push(LayerWeights {
                 attn_norm: g("input_layernorm.weight", &[d])?,
                 qkv,
                 qkv_bias,
+                qk_norm,
                 o: g("self_attn.o_proj.weight", &[d, q])?,
                 mlp_norm: g("post_attention_layernorm.weight", &[d])?,
                 gate_up: concat_rows(vec![g("mlp.gate_proj.weight", &[i, d])?, g("mlp.up_proj.weight", &[i, d])?]),
@@ -282,6 +290,10 @@ impl ModelWeights {
                 m.insert(format!("{p}.self_attn.q_proj.bias"), vecpart(b, 0, q));
                 m.insert(format!("{p}.self_attn.k_proj.bias"), vecpart(b, q, q + kv));
                 m.insert(format!("{p}.self_attn.v_proj.bias"), vecpart(b, q + kv, q + 2 * kv));
+            }
+            if let Some((qn, kn)) = &w.qk_norm {
+                m.insert(format!("{p}.self_attn.q_norm.weight"), qn.clone());
+                m.insert(format!("{p}.self_attn.k_norm.weight"), kn.clone());
             }
             m.insert(format!("{p}.self_attn.o_proj.weight"), w.o.clone());
             m.insert(format!("{p}.post_attention_layernorm.weight"), w.mlp_norm.clone());

@@ -189,6 +189,9 @@ pub struct TokenScores {
 /// A layer's intermediates over the dense batch (reused across layers).
 struct Acts<B: Backend> {
     h1: B::Buf,
+    /// The projections' output before Qwen3's q/k norm (the norm's backward needs it); `None`
+    /// for architectures without one.
+    qkv_pre: Option<B::Buf>,
     qkv: B::Buf,
     att: B::Buf,
     lse: B::Buf,
@@ -204,6 +207,7 @@ impl<B: TrainBackend> Acts<B> {
         let be = &model.be;
         Ok(Acts {
             h1: be.zeros(n * c.hidden)?,
+            qkv_pre: if c.qk_norm { Some(be.zeros(n * (c.q_dim() + 2 * c.kv_dim()))?) } else { None },
             qkv: be.zeros(n * (c.q_dim() + 2 * c.kv_dim()))?,
             att: be.zeros(n * c.q_dim())?,
             lse: be.zeros(n * c.n_heads)?,
@@ -221,6 +225,7 @@ struct LayerW<'a, B: Backend> {
     attn_norm: &'a B::Buf,
     qkv: &'a B::Buf,
     qkv_bias: Option<&'a B::Buf>,
+    qk_norm: Option<(&'a B::Buf, &'a B::Buf)>,
     o: &'a B::Buf,
     mlp_norm: &'a B::Buf,
     gate_up: &'a B::Buf,
@@ -301,6 +306,7 @@ impl<B: TrainBackend> Merged<B> {
             attn_norm: &w.attn_norm,
             qkv: pick(0, &w.qkv),
             qkv_bias: w.qkv_bias.as_ref(),
+            qk_norm: w.qk_norm.as_ref().map(|(q, k)| (q, k)),
             o: pick(1, &w.o),
             mlp_norm: &w.mlp_norm,
             gate_up: pick(2, &w.gate_up),
@@ -314,6 +320,7 @@ impl<B: TrainBackend> Merged<B> {
 /// output and its log-sum-exp, gate/up, and the residual after attention. The norms' outputs and
 /// SwiGLU are cheap and recomputed from these, with the same arithmetic as in the forward.
 struct Kept<B: Backend> {
+    qkv_pre: Option<B::Buf>,
     qkv: B::Buf,
     att: B::Buf,
     lse: B::Buf,
@@ -325,7 +332,9 @@ impl<B: TrainBackend> Kept<B> {
     /// Bytes kept per batch row (every `zeros(n)` reserves 4·n bytes on either backend).
     fn bytes_per_row(model: &Model<B>) -> usize {
         let c = &model.cfg;
-        4 * (c.q_dim() + 2 * c.kv_dim() + c.q_dim() + c.n_heads + 2 * c.intermediate + c.hidden)
+        let qkv = c.q_dim() + 2 * c.kv_dim();
+        let pre = if c.qk_norm { qkv } else { 0 };
+        4 * (pre + qkv + c.q_dim() + c.n_heads + 2 * c.intermediate + c.hidden)
     }
 }
 
@@ -348,7 +357,14 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
     // attention block
     be.rmsnorm(x, w.attn_norm, c.rms_eps, n, d, &mut a.h1)?;
     prof::time("train_matmul", || be.matmul(&a.h1, w.qkv, w.qkv_bias, n, d, qkv_dim, &mut a.qkv))?;
-    be.rope(&mut a.qkv, &batch.positions, &model.inv_freq, g)?;
+    match (w.qk_norm, a.qkv_pre.as_mut()) {
+        (Some((qn, kn)), Some(pre)) => {
+            be.copy(&a.qkv, pre)?;
+            be.qk_norm_rope(&mut a.qkv, qn, kn, c.rms_eps, &batch.positions, &model.inv_freq, g)?;
+        }
+        (None, _) => be.rope(&mut a.qkv, &batch.positions, &model.inv_freq, g)?,
+        (Some(_), None) => bail!("internal: a q/k-norm layer without its pre-norm buffer"),
+    }
     prof::time("train_attn", || be.attn_dense(&a.qkv, &batch.seqs, g, &mut a.att, &mut a.lse))?;
     prof::time("train_matmul", || be.matmul(&a.att, w.o, None, n, q_dim, d, &mut a.o))?;
     // x ← x + o; h2 = rmsnorm(x)
@@ -476,7 +492,11 @@ fn grads_inner<B: TrainBackend, S>(
             let mut xm = be.zeros(n * d)?;
             layer_fwd_inner(model, &w, &batch, &mut x, &mut acts, true, Some(&mut xm))?;
             let take = |b: &mut B::Buf| -> Result<B::Buf> { Ok(std::mem::replace(b, be.zeros(be.len(b))?)) };
-            kept[l] = Some(Kept { qkv: take(&mut acts.qkv)?, att: take(&mut acts.att)?, lse: take(&mut acts.lse)?, gu: take(&mut acts.gu)?, xm });
+            let qkv_pre = match acts.qkv_pre.as_mut() {
+                Some(p) => Some(take(p)?),
+                None => None,
+            };
+            kept[l] = Some(Kept { qkv_pre, qkv: take(&mut acts.qkv)?, att: take(&mut acts.att)?, lse: take(&mut acts.lse)?, gu: take(&mut acts.gu)?, xm });
         } else {
             layer_fwd(model, &w, &batch, &mut x, &mut acts, true)?;
         }
@@ -518,6 +538,7 @@ fn grads_inner<B: TrainBackend, S>(
         let xin = saved.pop().expect("one saved residual per layer");
         let slot = if let Some(k) = kept[l].take() {
             // restore the kept activations; the norms and SwiGLU are recomputed (cheap)
+            acts.qkv_pre = k.qkv_pre;
             acts.qkv = k.qkv;
             acts.att = k.att;
             acts.lse = k.lse;
@@ -551,7 +572,10 @@ fn grads_inner<B: TrainBackend, S>(
         prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.o, n, d, q_dim, &mut datt, false))?;
         lora_grad(model, l, n, Proj::O, &a.att, &dres, 0, d, gl)?;
         prof::time("train_attn_bwd", || be.attn_dense_bwd(&a.qkv, &a.att, &datt, &a.lse, &batch.seqs, model.geom(), &mut dqkv))?;
-        be.rope_bwd(&mut dqkv, &batch.positions, &model.inv_freq, model.geom())?;
+        match (w.qk_norm, a.qkv_pre.as_ref()) {
+            (Some((qn, kn)), Some(pre)) => be.qk_norm_rope_bwd(pre, qn, kn, c.rms_eps, &mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
+            _ => be.rope_bwd(&mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
+        }
         for (p, col0) in [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)] {
             lora_grad(model, l, n, p, &a.h1, &dqkv, col0, qkv_dim, gl)?;
         }

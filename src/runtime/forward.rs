@@ -114,7 +114,7 @@ impl<B: Backend> Model<B> {
             self.lora_delta(l, Proj::Q, &h, n, &mut qkv, 0, qkv_dim)?;
             self.lora_delta(l, Proj::K, &h, n, &mut qkv, q_dim, qkv_dim)?;
             self.lora_delta(l, Proj::V, &h, n, &mut qkv, q_dim + kv_dim, qkv_dim)?;
-            prof::time("rope", || be.rope(&mut qkv, &positions, &self.inv_freq, g))?;
+            prof::time("rope", || self.rope_layer(l, &mut qkv, &positions))?;
             prof::time("kv_store", || be.kv_store(&mut kv.store, l, &qkv, &slots, g))?;
             prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
             prof::time("matmul_o", || be.matmul(&att, &w.o, None, n, q_dim, d, &mut o))?;

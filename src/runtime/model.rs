@@ -11,6 +11,8 @@ pub struct DeviceLayer<B: Backend> {
     pub attn_norm: B::Buf,
     pub qkv: B::Buf,
     pub qkv_bias: Option<B::Buf>,
+    /// Qwen3's per-head q/k norm weights (`head_dim` each).
+    pub qk_norm: Option<(B::Buf, B::Buf)>,
     pub o: B::Buf,
     pub mlp_norm: B::Buf,
     pub gate_up: B::Buf,
@@ -88,6 +90,7 @@ impl<B: Backend> Model<B> {
                 attn_norm: up(l.attn_norm)?,
                 qkv: up(l.qkv)?,
                 qkv_bias: l.qkv_bias.map(up).transpose()?,
+                qk_norm: l.qk_norm.map(|(q, k)| Ok::<_, anyhow::Error>((up(q)?, up(k)?))).transpose()?,
                 o: up(l.o)?,
                 mlp_norm: up(l.mlp_norm)?,
                 gate_up: up(l.gate_up)?,
@@ -118,6 +121,15 @@ impl<B: Backend> Model<B> {
 
     pub fn geom(&self) -> AttnGeom {
         AttnGeom::new(&self.cfg, self.page_size)
+    }
+
+    /// RoPE on the q/k heads of layer `l`'s fused `qkv` rows, after Qwen3's per-head q/k norm
+    /// when the layer has one (fused in one op).
+    pub fn rope_layer(&self, l: usize, qkv: &mut B::Buf, positions: &[u32]) -> Result<()> {
+        match &self.layers[l].qk_norm {
+            Some((qn, kn)) => self.be.qk_norm_rope(qkv, qn, kn, self.cfg.rms_eps, positions, &self.inv_freq, self.geom()),
+            None => self.be.rope(qkv, positions, &self.inv_freq, self.geom()),
+        }
     }
 
     pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
