@@ -208,6 +208,7 @@ fn random_model(arch: &str, seed: u64) -> Model<CpuBackend> {
         layers.push(LayerWeights {
             attn_norm: norm(&mut nrng),
             qkv: t(vec![q + 2 * kv, d], 1.0 / (d as f64).sqrt()),
+            o_bias: None,
             qkv_bias: if cfg.qkv_bias { Some(t(vec![q + 2 * kv], 0.1)) } else { None },
             qk_norm: cfg.qk_norm.then(|| {
                 let hn = |rng: &mut Rng| HostTensor::new(vec![cfg.head_dim], (0..cfg.head_dim).map(|_| (1.0 + 0.2 * rng.normal()) as f32).collect());

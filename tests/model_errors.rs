@@ -420,3 +420,46 @@ fn shard_index_must_stay_inside_the_model_dir() {
     index("shards/model-00001-of-00001.safetensors");
     succeeds(&score);
 }
+
+/// Weights the config does not describe are refused rather than ignored: an o_proj bias on a
+/// model whose config says `attention_bias` false, a q_norm on a Llama, a layer past
+/// num_hidden_layers. With `attention_bias: true` a Llama's o_proj bias is loaded and used, as
+/// transformers does (q/k/v and o all carry one).
+#[test]
+fn unused_tensors_are_refused_and_attention_bias_covers_o_proj() {
+    for (extra, shape) in [
+        ("model.layers.0.self_attn.o_proj.bias", vec![64]),
+        ("model.layers.1.self_attn.q_norm.weight", vec![16]),
+        ("model.layers.2.input_layernorm.weight", vec![64]),
+    ] {
+        let (_t, d) = fixture_copy("tiny-llama");
+        edit_tensors(&d.join("model.safetensors"), |m| {
+            m.insert(extra.into(), HostTensor::new(shape.clone(), vec![0.5; shape.iter().product()]));
+        });
+        fails_with(&["score", "--model", s(&d), "--context-ids", "1,2,3", "--target-ids", "4", "--json"], &["does not use", extra]);
+    }
+    // attention_bias: q/k/v biases and the o bias, all required and all applied
+    let (_t, d) = fixture_copy("tiny-llama");
+    let base = score_lps(&["score", "--model", s(&d), "--context-ids", "1,2,3,4,5", "--target-ids", "6,7", "--json"]);
+    edit_json(&d.join("config.json"), |c| c["attention_bias"] = json!(true));
+    fails_with(&["score", "--model", s(&d), "--context-ids", "1,2,3", "--target-ids", "4", "--json"], &["q_proj.bias"]);
+    edit_tensors(&d.join("model.safetensors"), |m| {
+        for l in 0..2 {
+            for (p, n) in [("q_proj", 64), ("k_proj", 32), ("v_proj", 32)] {
+                m.insert(format!("model.layers.{l}.self_attn.{p}.bias"), HostTensor::new(vec![n], vec![0.0; n]));
+            }
+            m.insert(format!("model.layers.{l}.self_attn.o_proj.bias"), HostTensor::new(vec![64], vec![0.0; 64]));
+        }
+    });
+    // zero biases: the same numbers as without
+    let zero = score_lps(&["score", "--model", s(&d), "--context-ids", "1,2,3,4,5", "--target-ids", "6,7", "--json"]);
+    for (a, b) in base.iter().zip(&zero) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+    // a non-zero o bias moves them: it is applied
+    edit_tensors(&d.join("model.safetensors"), |m| {
+        m.insert("model.layers.1.self_attn.o_proj.bias".into(), HostTensor::new(vec![64], (0..64).map(|i| (i as f32 * 0.37).sin()).collect()));
+    });
+    let moved = score_lps(&["score", "--model", s(&d), "--context-ids", "1,2,3,4,5", "--target-ids", "6,7", "--json"]);
+    assert!(base.iter().zip(&moved).any(|(a, b)| (a - b).abs() > 1e-3), "{base:?} vs {moved:?}");
+}

@@ -115,6 +115,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2 always; the others when `attention_bias`).
     pub qkv_bias: bool,
+    /// o_proj carries a bias (Llama and Qwen3 with `attention_bias`; never Qwen2 or Mistral).
+    pub o_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (`q_norm`/`k_norm`, Qwen3).
     pub qk_norm: bool,
     /// The longest sequence (positions) a run may reach: `max_position_embeddings`, or a smaller
@@ -255,9 +257,13 @@ impl ModelConfig {
             Some(x) => vec![token_id("eos_token_id", x)?],
             None => vec![],
         };
-        let qkv_bias = match arch {
-            Arch::Qwen2 => true,
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 => opt_bool(v, "attention_bias")?.unwrap_or(false),
+        // transformers: Llama and Qwen3 put `attention_bias` on q, k, v and o; Qwen2 has q/k/v
+        // biases and none on o; Mistral has no biases (and no such field)
+        let attention_bias = opt_bool(v, "attention_bias")?.unwrap_or(false);
+        let (qkv_bias, o_bias) = match arch {
+            Arch::Qwen2 => (true, false),
+            Arch::Mistral => (false, false),
+            Arch::Llama | Arch::Qwen3 => (attention_bias, attention_bias),
         };
         // Missing eps: HF's LlamaConfig default. A value that is not a positive f32 (0, negative,
         // below f32's range) makes rmsnorm divide by zero or take the root of a negative: NaN.
@@ -294,6 +300,7 @@ impl ModelConfig {
             rope_scaling,
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
+            o_bias,
             qk_norm: arch == Arch::Qwen3,
             max_position,
             position_limit_source,

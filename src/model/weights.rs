@@ -38,6 +38,8 @@ pub struct LayerWeights {
     pub qkv: HostTensor,
     /// `[q_dim + 2 kv_dim]` when the architecture has q/k/v biases.
     pub qkv_bias: Option<HostTensor>,
+    /// `[hidden]`: o_proj's bias (Llama-family `attention_bias = true`).
+    pub o_bias: Option<HostTensor>,
     /// `(q_norm [head_dim], k_norm [head_dim])`: Qwen3's per-head q/k RMSNorm weights.
     pub qk_norm: Option<(HostTensor, HostTensor)>,
     pub o: HostTensor,
@@ -244,6 +246,7 @@ impl ModelWeights {
             } else {
                 None
             };
+            let o_bias = if cfg.o_bias { Some(g("self_attn.o_proj.bias", &[d])?) } else { None };
             let qk_norm = if cfg.qk_norm {
                 Some((g("self_attn.q_norm.weight", &[cfg.head_dim])?, g("self_attn.k_norm.weight", &[cfg.head_dim])?))
             } else {
@@ -253,6 +256,7 @@ impl ModelWeights {
                 attn_norm: g("input_layernorm.weight", &[d])?,
                 qkv,
                 qkv_bias,
+                o_bias,
                 qk_norm,
                 o: g("self_attn.o_proj.weight", &[d, q])?,
                 mlp_norm: g("post_attention_layernorm.weight", &[d])?,
@@ -268,6 +272,36 @@ impl ModelWeights {
         } else {
             bail!("lm_head.weight is missing and config.json does not set tie_word_embeddings = true");
         };
+        // A tensor nothing above read is a part of the model the engine does not compute (a bias,
+        // a norm, an extra block): running without it would give silently wrong outputs.
+        let used = |n: &str| -> bool {
+            let Some(rest) = n.strip_prefix("model.layers.") else {
+                return matches!(n, "model.embed_tokens.weight" | "model.norm.weight" | "lm_head.weight");
+            };
+            let Some((l, t)) = rest.split_once('.') else { return false };
+            if !l.parse::<usize>().is_ok_and(|l| l < cfg.n_layers) {
+                return false;
+            }
+            let proj = ["q_proj", "k_proj", "v_proj", "o_proj"].iter().any(|p| t == format!("self_attn.{p}.weight"))
+                || ["gate_proj", "up_proj", "down_proj"].iter().any(|p| t == format!("mlp.{p}.weight"))
+                || matches!(t, "input_layernorm.weight" | "post_attention_layernorm.weight");
+            let qkv_b = cfg.qkv_bias && ["q_proj", "k_proj", "v_proj"].iter().any(|p| t == format!("self_attn.{p}.bias"));
+            let o_b = cfg.o_bias && t == "self_attn.o_proj.bias";
+            let qk = cfg.qk_norm && matches!(t, "self_attn.q_norm.weight" | "self_attn.k_norm.weight");
+            // RoPE tables some exporters store: recomputed from the config
+            proj || qkv_b || o_b || qk || t.ends_with("rotary_emb.inv_freq")
+        };
+        let mut unused: Vec<&str> = set.names().filter(|n| !used(n)).collect();
+        if !unused.is_empty() {
+            unused.sort();
+            let n = unused.len();
+            unused.truncate(5);
+            bail!(
+                "the checkpoint has {n} tensor(s) the {} implementation does not use, e.g. {}: config.json does not describe these weights (a bias, norm or layer this engine does not compute), so the outputs would be wrong",
+                cfg.arch.name(),
+                unused.join(", ")
+            );
+        }
         Ok(ModelWeights { embed, layers, final_norm, lm_head })
     }
 
@@ -290,6 +324,9 @@ impl ModelWeights {
                 m.insert(format!("{p}.self_attn.q_proj.bias"), vecpart(b, 0, q));
                 m.insert(format!("{p}.self_attn.k_proj.bias"), vecpart(b, q, q + kv));
                 m.insert(format!("{p}.self_attn.v_proj.bias"), vecpart(b, q + kv, q + 2 * kv));
+            }
+            if let Some(b) = &w.o_bias {
+                m.insert(format!("{p}.self_attn.o_proj.bias"), b.clone());
             }
             if let Some((qn, kn)) = &w.qk_norm {
                 m.insert(format!("{p}.self_attn.q_norm.weight"), qn.clone());

@@ -227,6 +227,7 @@ struct LayerW<'a, B: Backend> {
     qkv_bias: Option<&'a B::Buf>,
     qk_norm: Option<(&'a B::Buf, &'a B::Buf)>,
     o: &'a B::Buf,
+    o_bias: Option<&'a B::Buf>,
     mlp_norm: &'a B::Buf,
     gate_up: &'a B::Buf,
     down: &'a B::Buf,
@@ -308,6 +309,7 @@ impl<B: TrainBackend> Merged<B> {
             qkv_bias: w.qkv_bias.as_ref(),
             qk_norm: w.qk_norm.as_ref().map(|(q, k)| (q, k)),
             o: pick(1, &w.o),
+            o_bias: w.o_bias.as_ref(),
             mlp_norm: &w.mlp_norm,
             gate_up: pick(2, &w.gate_up),
             down: pick(3, &w.down),
@@ -366,7 +368,7 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
         (Some(_), None) => bail!("internal: a q/k-norm layer without its pre-norm buffer"),
     }
     prof::time("train_attn", || be.attn_dense(&a.qkv, &batch.seqs, g, &mut a.att, &mut a.lse))?;
-    prof::time("train_matmul", || be.matmul(&a.att, w.o, None, n, q_dim, d, &mut a.o))?;
+    prof::time("train_matmul", || be.matmul(&a.att, w.o, w.o_bias, n, q_dim, d, &mut a.o))?;
     // x ← x + o; h2 = rmsnorm(x)
     be.add_rmsnorm(x, &a.o, w.mlp_norm, c.rms_eps, n, d, &mut a.h2)?;
     if let Some(xm) = xm {

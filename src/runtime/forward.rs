@@ -117,7 +117,7 @@ impl<B: Backend> Model<B> {
             prof::time("rope", || self.rope_layer(l, &mut qkv, &positions))?;
             prof::time("kv_store", || be.kv_store(&mut kv.store, l, &qkv, &slots, g))?;
             prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
-            prof::time("matmul_o", || be.matmul(&att, &w.o, None, n, q_dim, d, &mut o))?;
+            prof::time("matmul_o", || be.matmul(&att, &w.o, w.o_bias.as_ref(), n, q_dim, d, &mut o))?;
             self.lora_delta(l, Proj::O, &att, n, &mut o, 0, d)?;
             prof::time("add_rmsnorm", || be.add_rmsnorm(&mut x, &o, &w.mlp_norm, cfg.rms_eps, n, d, &mut h))?;
             prof::time("matmul_gate_up", || be.matmul(&h, &w.gate_up, None, n, d, 2 * inter, &mut gu))?;

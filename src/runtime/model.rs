@@ -14,6 +14,7 @@ pub struct DeviceLayer<B: Backend> {
     /// Qwen3's per-head q/k norm weights (`head_dim` each).
     pub qk_norm: Option<(B::Buf, B::Buf)>,
     pub o: B::Buf,
+    pub o_bias: Option<B::Buf>,
     pub mlp_norm: B::Buf,
     pub gate_up: B::Buf,
     pub down: B::Buf,
@@ -92,6 +93,7 @@ impl<B: Backend> Model<B> {
                 qkv_bias: l.qkv_bias.map(up).transpose()?,
                 qk_norm: l.qk_norm.map(|(q, k)| Ok::<_, anyhow::Error>((up(q)?, up(k)?))).transpose()?,
                 o: up(l.o)?,
+                o_bias: l.o_bias.map(up).transpose()?,
                 mlp_norm: up(l.mlp_norm)?,
                 gate_up: up(l.gate_up)?,
                 down: up(l.down)?,

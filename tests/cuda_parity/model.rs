@@ -138,6 +138,7 @@ fn qwen2_half_b_layer_batched() {
         qkv: t(&mut rng, vec![qkv, d], 0.02),
         qkv_bias: Some(t(&mut rng, vec![qkv], 0.1)),
         qk_norm: None,
+        o_bias: None,
         o: t(&mut rng, vec![d, cfg.q_dim()], 0.02),
         mlp_norm: ones(d),
         gate_up: t(&mut rng, vec![2 * inter, d], 0.02),
