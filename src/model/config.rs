@@ -153,7 +153,7 @@ impl ModelConfig {
                 Some((family, missing)) => bail!(
                     "unsupported architecture: model_type {model_type:?} (architectures {archs:?}) is {family}: {missing}. Supported: {SUPPORTED}"
                 ),
-                None => bail!("unsupported architecture: model_type {model_type:?} (architectures {archs:?}); supported: {SUPPORTED}"),
+                None => bail!("unsupported architecture: model_type {model_type:?} (architectures {archs:?}). Supported: {SUPPORTED}"),
             },
         };
         // Sizes are positive integers: 0 would give empty matrices and a model that silently

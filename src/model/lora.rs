@@ -226,7 +226,7 @@ impl LoraAdapter {
                 bail!(
                     "{} holds {name}, but target_modules {} does not target {} (targets here: {}); add it to target_modules or remove its tensors",
                     wpath.display(),
-                    c.get("target_modules").map(|t| t.to_string()).unwrap_or_else(|| "(absent: PEFT's default for llama/qwen2)".into()),
+                    c.get("target_modules").map(|t| t.to_string()).unwrap_or_else(|| "(absent: PEFT's default for llama, mistral, qwen2 and qwen3)".into()),
                     parsed.1.module(),
                     targets.iter().map(|p| p.module()).collect::<Vec<_>>().join(", ")
                 );
@@ -373,7 +373,7 @@ fn module_names(cfg: &ModelConfig) -> Vec<(String, Option<(usize, Proj)>)> {
 ///   layers but the output head); any other string is a regular expression that must match a
 ///   whole module name (`re.fullmatch`; Oniguruma syntax, which agrees with Python's `re` on the
 ///   usual patterns such as `.*\.(q|v)_proj`);
-/// - absent or null: PEFT's default for llama and qwen2, `["q_proj", "v_proj"]`.
+/// - absent or null: PEFT's default for llama, mistral, qwen2 and qwen3, `["q_proj", "v_proj"]`.
 ///
 /// Only the seven projections can carry LoRA here (not `lm_head` or `embed_tokens`), and a
 /// projection must be selected in every layer or in none (no per-layer targeting).
