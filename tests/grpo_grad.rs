@@ -11,7 +11,7 @@
 //! Training-step throughput is measured by `infomem-engine bench --work train`, not here.
 mod common;
 
-use common::{cases, expected, fixtures};
+use common::{cases, expected, fixtures, ARCHS};
 use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::backend::{AdamWStep, DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, Backend};
@@ -83,11 +83,28 @@ fn fixture_qwen2() {
     fixture_case("qwen2");
 }
 
+/// Through Qwen3's per-head q/k norms, with q wider than the hidden size.
+#[test]
+fn fixture_qwen3() {
+    fixture_case("qwen3");
+}
+
+#[test]
+fn fixture_mistral() {
+    fixture_case("mistral");
+}
+
+/// Llama 3.2 style: tied head, `llama3` RoPE scaling.
+#[test]
+fn fixture_llama32() {
+    fixture_case("llama32");
+}
+
 /// Missing `ref_logprobs` are computed with the LoRA off: they must match the fixture's
 /// (PyTorch, LoRA off); missing `old_logprobs` mean ratio 1 (nothing clipped).
 #[test]
 fn fixture_defaults_for_old_and_ref() {
-    for arch in ["llama", "qwen2"] {
+    for arch in ARCHS {
         let g = &cases()[arch]["grpo"];
         let model = fixture_model(arch);
         let full = grpo::parse_batch(&serde_json::to_string(g).unwrap(), model.cfg.vocab).unwrap();

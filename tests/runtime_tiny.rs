@@ -1,5 +1,5 @@
-//! The CPU runtime against PyTorch/transformers/PEFT reference outputs on the tiny Llama and
-//! Qwen2 fixtures (tolerances from tests/fixtures/README.md), plus batching invariants.
+//! The CPU runtime against PyTorch/transformers/PEFT reference outputs on the tiny fixtures of
+//! every family (`common::ARCHS`) (tolerances from tests/fixtures/README.md), plus batching invariants.
 mod common;
 use common::*;
 use infomem_engine::backend::{Backend, SampleParams};
@@ -33,7 +33,7 @@ fn check_logits(got: &[Vec<f32>], shape: &[usize], want: &[f32], what: &str) {
 #[test]
 fn forward_logits_match_transformers() {
     let c = cases();
-    for arch in ["llama", "qwen2"] {
+    for arch in ARCHS {
         let m = tiny(arch);
         for (i, fw) in c[arch]["forward"].as_array().unwrap().iter().enumerate() {
             let ids = ids(&fw["ids"]);
@@ -57,7 +57,7 @@ fn forward_logits_match_transformers() {
 #[test]
 fn greedy_tokens_match() {
     let c = cases();
-    for arch in ["llama", "qwen2"] {
+    for arch in ARCHS {
         let m = tiny(arch);
         let g = &c[arch]["greedy"];
         let mut kv = runtime::kv_for(&m, 64).unwrap();
@@ -80,7 +80,7 @@ fn greedy_tokens_match() {
 #[test]
 fn gain_logprobs_match() {
     let c = cases();
-    for arch in ["llama", "qwen2"] {
+    for arch in ARCHS {
         let m = tiny(arch);
         let g = &c[arch]["gain"];
         let mut kv = runtime::kv_for(&m, 128).unwrap();
@@ -107,7 +107,7 @@ fn gain_logprobs_match() {
 #[test]
 fn lora_logits_match_peft() {
     let c = cases();
-    for arch in ["llama", "qwen2"] {
+    for arch in ARCHS {
         let mut m = tiny(arch);
         let l = &c[arch]["lora"];
         m.load_adapter(&fixtures().join(l["adapter_dir"].as_str().unwrap())).unwrap();
@@ -129,7 +129,13 @@ fn lora_logits_match_peft() {
 /// Requests of different lengths batched together give what each gives alone.
 #[test]
 fn batched_generation_equals_one_by_one() {
-    let m = tiny("qwen2");
+    for arch in ["qwen2", "qwen3"] {
+        batched_equals_one_by_one(arch);
+    }
+}
+
+fn batched_equals_one_by_one(arch: &str) {
+    let m = tiny(arch);
     let mut rng = Rng::new(11);
     let prompts: Vec<Vec<u32>> = [3usize, 17, 40, 1, 25]
         .iter()
@@ -152,7 +158,7 @@ fn batched_generation_equals_one_by_one() {
         for (i, p) in prompts.iter().enumerate() {
             let mut kv1 = runtime::kv_for(&m, 1024).unwrap();
             let alone = runtime::generate(&m, &mut kv1, vec![mk(p, i, params)], SchedOptions::default(), |_| {}).unwrap();
-            assert_eq!(batched[i].new_ids, alone[0].new_ids, "prompt {i} ({params:?})");
+            assert_eq!(batched[i].new_ids, alone[0].new_ids, "{arch} prompt {i} ({params:?})");
             for (a, b) in batched[i].logprobs.iter().zip(&alone[0].logprobs) {
                 assert!((a - b).abs() < 1e-4);
             }

@@ -19,7 +19,18 @@ fn metrics(out: &Path) -> Vec<StepMetrics> {
 
 #[test]
 fn resume_gives_the_same_next_step() {
-    let (_t, model) = tiny_with_tokenizer("qwen2");
+    resume_case("qwen2");
+}
+
+/// The whole loop on Qwen3 (q/k norms, q wider than hidden): rollouts, scoring, the update
+/// through the norms, checkpoints and resume.
+#[test]
+fn qwen3_trains_and_resumes() {
+    resume_case("qwen3");
+}
+
+fn resume_case(arch: &str) {
+    let (_t, model) = tiny_with_tokenizer(arch);
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
 

@@ -10,6 +10,12 @@ use infomem_engine::runtime::Model;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// The tiny fixture models (`tests/fixtures/tiny-<arch>`), one per supported family: Llama,
+/// Qwen2, Qwen3 (head_dim ≠ hidden/heads, q/k norms), Mistral and a Llama-3.2-style model (tied,
+/// `llama3` RoPE scaling, inputs past its original context).
+#[allow(dead_code)]
+pub const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "mistral", "llama32"];
+
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
