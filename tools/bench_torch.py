@@ -9,9 +9,9 @@ Measures PyTorch + transformers (+ PEFT for `train`) on the same workloads that
         [--device cpu|cuda] [--dtype float32|bfloat16] [--threads N]
         [--repeat R] [--stat median|best] [--json]
 
-Model: `--model DIR` loads an HF directory; `--shape qwen2-0.5b|qwen2-3b|smollm2-135m`
-builds random weights from a config with the real model's shape, directly on the device
-in the requested dtype. Attention: eager on CPU, SDPA on CUDA (`--attn` overrides).
+Model: `--model DIR` loads an HF directory; `--shape qwen2-0.5b|qwen2-3b|qwen3-1.7b|qwen3-4b|
+smollm2-135m` builds random weights from a config with the real model's shape, directly on the
+device in the requested dtype. Attention: eager on CPU, SDPA on CUDA (`--attn` overrides).
 
 Inputs are seeded (torch.Generator, seed 0); token ids are uniform in [100, vocab - 100).
 Each workload runs once as a warm-up (same shapes; decode/rollout with few new tokens),
@@ -90,6 +90,20 @@ SHAPES = {
         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
         max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645,
     ),
+    # Qwen3 (transformers' Qwen3Config): per-head q/k RMSNorm, head_dim 128 independent of
+    # hidden/heads (Qwen3-4B's q is 4096 wide on a 2560 hidden), no q/k/v bias
+    "qwen3-1.7b": dict(
+        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=False,
+        max_position_embeddings=40960, max_window_layers=28, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=False,
+        max_position_embeddings=40960, max_window_layers=36, bos_token_id=151643, eos_token_id=151645,
+    ),
     "smollm2-135m": dict(
         model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
@@ -122,7 +136,7 @@ def make_config(shape):
         rope["rope_theta"] = theta
         rope.setdefault("rope_type", "default")
     cfg.rope_theta = theta
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         cfg.use_sliding_window = False
     return cfg
 

@@ -15,17 +15,22 @@
 #                                  training (failures rerun alone to tell them from collateral),
 #                                  then compute-sanitizer memcheck and racecheck on the paged- and
 #                                  dense-attention tests where it exists, then the plain-allocation
-#                                  fallback (the device report, a whole model, the allocator test).
+#                                  fallback (the device report, a whole model, the allocator test),
+#                                  then, while time is left, compute-sanitizer on Qwen3's q/k-norm
+#                                  RoPE kernels (forward and backward tests).
 #                                  Files: summary.md log.txt steps.jsonl meta.json device.json.
 #                                  Exit 0 only if every parity test passed in the one process.
 #   tools/gpu-check.sh bench       <= 5 min. Ours vs PyTorch + transformers (SDPA) + PEFT on the
-#                                  same GPU and the same random weights: score 8x4096, decode
-#                                  batch 64 and batch 1 (prompt 1024, 256 new), the memory-agent
-#                                  rollout (16 rollouts, 4 chunks of 2048, memory 256), train
-#                                  8x4096 (LoRA r16, loss on the last 128 of each) on Qwen2-0.5B's
-#                                  shape, then score/decode/train on Qwen2-3B's shape while time
-#                                  is left (PyTorch train with gradient checkpointing there: without
-#                                  it 8x4096 needs ~144 GB). Tokens/s, the ratio and each side's
+#                                  same GPU and the same random weights, shape by shape in this
+#                                  order while time is left (a shape not reached is skipped):
+#                                  Qwen2-0.5B: score 8x4096, decode batch 64 and batch 1 (prompt
+#                                  1024, 256 new), the memory-agent rollout (16 rollouts, 4 chunks
+#                                  of 2048, memory 256), train 8x4096 (LoRA r16, loss on the last
+#                                  128 of each); Qwen3-1.7B, then Qwen3-4B (q/k norms, head_dim
+#                                  128): short cases, score 8x2048, decode batch 16 (prompt 512,
+#                                  64 new), train 4x2048; Qwen2-3B: score/decode/train as 0.5B's
+#                                  (PyTorch train with gradient checkpointing there: without it
+#                                  8x4096 needs ~144 GB). Tokens/s, the ratio and each side's
 #                                  roofline fraction. Files: summary.md log.txt steps.jsonl
 #                                  meta.json bench.jsonl.
 #   tools/gpu-check.sh train       <= 3 min. A few GRPO + InfoMem steps on the GPU (SmolLM2-135M-
@@ -43,7 +48,8 @@
 #                                  failure, PyTorch's failure, a half-finished stage.
 #
 # Environment: OUT (results; default ./gpu-check-out/<stage>), TORCH_PYTHON (default python3),
-# GPU_CHECK_BUDGET_S (the stage's own budget), GPU_CHECK_MODELS ("qwen2-0.5b qwen2-3b"),
+# GPU_CHECK_BUDGET_S (the stage's own budget), GPU_CHECK_MODELS (the bench shapes, in order;
+# default "qwen2-0.5b qwen3-1.7b qwen3-4b qwen2-3b", any of tools/bench_torch.py's SHAPES),
 # GPU_CHECK_CASES (bench case names to run), GPU_CHECK_TRAIN_STEPS (8),
 # GPU_CHECK_BACKEND=cpu GPU_CHECK_TRAIN_SHAPE=tiny (a CPU dry run of `train`, BIN=... to pick
 # the binary). The cuBLAS libraries come from the torch environment's site-packages/nvidia/*/lib
@@ -251,6 +257,15 @@ contact() {
   # the plain-allocation fallback on real hardware: the device report and a whole-model test
   step "plain-alloc" 60 env INFOMEM_CUDA_ALLOC=plain INFOMEM_REQUIRE_CUDA=1 sh -c \
     '"$1" device && "$2" model::tiny_models_generate_and_score device::plain_allocator_matches_the_default --test-threads=1' _ "$BIN" "$BUNDLE/cuda_parity"
+  # compute-sanitizer on Qwen3's q/k-norm RoPE kernels (rope.cu; small, so both tests at once),
+  # last: skipped when the budget is spent
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    local tool
+    for tool in memcheck racecheck; do
+      step "$tool:rope::qk_norm_rope" 40 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_SANITIZER=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        "$BUNDLE/cuda_parity" rope::qk_norm_rope_matches_cpu rope::qk_norm_rope_backward_matches_cpu --exact --test-threads=1
+    done
+  fi
   finish
   return "$status"
 }
@@ -268,6 +283,11 @@ train-8x4096|train|--batch 8 --seq-len 4096 --score-last 128|--batch 8 --seq-len
 CASES_3B='score-8x4096|score|--batch 8 --seq-len 4096 --score-last 64|--batch 8 --seq-len 4096 --score-last 64
 decode-b64|decode|--batch 64 --seq-len 1024 --new-tokens 256|--batch 64 --seq-len 1024 --new-tokens 256
 train-8x4096|train|--batch 8 --seq-len 4096 --score-last 128|--batch 8 --seq-len 4096 --train-last 128 --grad-checkpointing'
+# Qwen3-1.7B and Qwen3-4B: short cases, so both fit after 0.5B's (PyTorch's train 4x2048 needs
+# ~55 GB of activations on the 4B shape without checkpointing)
+CASES_QWEN3='score-8x2048|score|--batch 8 --seq-len 2048 --score-last 64|--batch 8 --seq-len 2048 --score-last 64
+decode-b16|decode|--batch 16 --seq-len 512 --new-tokens 64|--batch 16 --seq-len 512 --new-tokens 64
+train-4x2048|train|--batch 4 --seq-len 2048 --score-last 128|--batch 4 --seq-len 2048 --train-last 128'
 
 bench() {
   stage_init bench 290
@@ -277,11 +297,15 @@ bench() {
   local MDIR="${GPU_CHECK_MODEL_DIR:-/tmp/infomem-gpu-check}"
   mkdir -p "$MDIR"
   local shape
-  for shape in ${GPU_CHECK_MODELS:-qwen2-0.5b qwen2-3b}; do
+  for shape in ${GPU_CHECK_MODELS:-qwen2-0.5b qwen3-1.7b qwen3-4b qwen2-3b}; do
     local dir="$MDIR/$shape" cases
-    case "$shape" in qwen2-3b) cases="$CASES_3B" ;; *) cases="$CASES_05B" ;; esac
+    case "$shape" in qwen2-3b) cases="$CASES_3B" ;; qwen3-*) cases="$CASES_QWEN3" ;; *) cases="$CASES_05B" ;; esac
     if [ ! -f "$dir/config.json" ]; then
-      step "make:$shape" 120 "$PY" tools/make_random_model.py --shape "$shape" --out "$dir" || continue
+      # written beside, then renamed: a make stopped by the budget (Qwen3-4B is ~8 GB) leaves no
+      # directory that a later run on the same machine would take for a complete model
+      rm -rf "$dir.partial"
+      step "make:$shape" 120 "$PY" tools/make_random_model.py --shape "$shape" --out "$dir.partial" \
+        && mv "$dir.partial" "$dir" || continue
     fi
     python3 -c 'import json,sys; print(json.dumps({"shape": sys.argv[1], "config": json.load(open(sys.argv[2]))}))' "$shape" "$dir/config.json" >> "$OUT/bench.jsonl"
     local torch_args=() name work ours theirs

@@ -350,7 +350,7 @@ def contact(out):
         doc.add(f"(no verdict: {type(e).__name__}: {e})", "")
     doc.section("Environment", contact_env, out, meta)
     doc.section("CUDA parity tests (inference and training)", contact_tests, out)
-    doc.section("compute-sanitizer on the attention kernels", contact_sanitizer, out, meta)
+    doc.section("compute-sanitizer on the attention and q/k-norm RoPE kernels", contact_sanitizer, out, meta)
     doc.section("Steps (in order)", steps_section, out)
     return doc.text()
 
@@ -619,6 +619,15 @@ def selftest(root):
     s = shape_numbers(cfg)
     if (s["body"], s["head"], s["hd"]) != (74304, 64000, 16):
         failures.append(f"shape_numbers: {s}")
+    # Qwen3-4B (tools/bench_torch.py's qwen3-4b): head_dim 128 is not hidden/heads = 80, so q is
+    # 32·128 = 4096 wide on a 2560 hidden; per layer qkv 2560·(4096+2·1024) = 15,728,640 + 6,144
+    # (the bias term, which Qwen3 lacks: ~0.006%) + o 4096·2560 = 10,485,760 + mlp 3·2560·9728 =
+    # 74,711,040 + norms 5,120 = 100,936,704; 36 layers + 2560 = 3,633,723,904 (the model card:
+    # 3.6B non-embedding parameters)
+    q3 = shape_numbers(dict(hidden_size=2560, num_hidden_layers=36, vocab_size=151936, intermediate_size=9728,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128))
+    if (q3["body"], q3["head"], q3["hd"]) != (3633723904, 151936 * 2560, 128):
+        failures.append(f"shape_numbers (Qwen3-4B): {q3}")
     # score, 1 × 8 tokens, last 2: 2·74304·8 + attention 4·2·4·16·(8·9/2) + 2·64000·2
     want = (2 * 74304 * 8 + 4 * 2 * 4 * 16 * 36 + 2 * 64000 * 2) / BF16
     got = ideal_seconds(s, {"work": "score", "batch": 1, "seq_len": 8, "score_last": 2})

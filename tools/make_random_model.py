@@ -3,10 +3,11 @@
 
     python3 tools/make_random_model.py --shape qwen2-0.5b --out DIR [--device cuda] [--seed 0]
 
-Shapes are tools/bench_torch.py's SHAPES (qwen2-0.5b, qwen2-3b, smollm2-135m): the config is
-built by its make_config, the weights by transformers' own initialization (normal(0, 0.02) for
-projections and embeddings, ones for norms) under torch.manual_seed(seed), directly in bfloat16 on
-the device, then saved with save_pretrained (config.json + *.safetensors, bf16). No tokenizer:
+Shapes are tools/bench_torch.py's SHAPES (qwen2-0.5b, qwen2-3b, qwen3-1.7b, qwen3-4b,
+smollm2-135m): the config is built by its make_config, the weights by transformers' own
+initialization (normal(0, 0.02) for projections and embeddings, ones for norms, Qwen3's q/k norms
+included) under torch.manual_seed(seed), directly in bfloat16 on the device, then saved with
+save_pretrained (config.json + *.safetensors, bf16; Qwen3-4B is ~8 GB). No tokenizer:
 the benchmarks feed token ids. Both infomem-engine and tools/bench_torch.py --model load it, so
 the two sides run the very same weights.
 """

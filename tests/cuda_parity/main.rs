@@ -78,6 +78,13 @@ fn round_weights(w: &mut ModelWeights) {
         if let Some(b) = &mut l.qkv_bias {
             r(b);
         }
+        if let Some(b) = &mut l.o_bias {
+            r(b);
+        }
+        if let Some((qn, kn)) = &mut l.qk_norm {
+            r(qn);
+            r(kn);
+        }
     }
 }
 

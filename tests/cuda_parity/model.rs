@@ -12,7 +12,7 @@ fn pair(cfg: ModelConfig, w: ModelWeights) -> (Model<CpuBackend>, Model<CudaBack
 }
 
 /// Greedy logits along a fixed token path, one token per step (prefill of `prefix` first).
-fn step_logits<B: Backend>(m: &Model<B>, prefix: &[u32], path: &[u32]) -> Vec<Vec<f32>> {
+pub(super) fn step_logits<B: Backend>(m: &Model<B>, prefix: &[u32], path: &[u32]) -> Vec<Vec<f32>> {
     let mut kv = runtime::kv_for(m, prefix.len() + path.len() + 1).unwrap();
     let mut seq = Seq::default();
     let mut out = Vec::new();
@@ -27,10 +27,28 @@ fn step_logits<B: Backend>(m: &Model<B>, prefix: &[u32], path: &[u32]) -> Vec<Ve
     out
 }
 
+/// Device logits along a fixed token path (`step_logits`: prefill of `prefix`, then one token of
+/// `path` per step) against the CPU reference's: every logit within `model_tol` of it. Returns
+/// the largest difference.
+pub(super) fn check_step_logits<D: Backend>(what: &str, c: &Model<CpuBackend>, d: &Model<D>, prefix: &[u32], path: &[u32]) -> f32 {
+    let (want, got) = (step_logits(c, prefix, path), step_logits(d, prefix, path));
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.len(), w.len(), "{what}: step {i}: logits");
+        for (j, (a, b)) in g.iter().zip(w).enumerate() {
+            assert!(a.is_finite() && (a - b).abs() <= model_tol(*b), "{what}: step {i} logit {j}: device {a} vs reference {b}");
+            worst = worst.max((a - b).abs());
+        }
+    }
+    println!("{what}: {} steps of {} logits, max |Δ| {worst:.2e}", got.len(), want[0].len());
+    worst
+}
+
 /// Whole-model bound on log-probs and logits: every GEMM input, the attention output and the KV
 /// cache are bf16 on the device (each a 2^-8 relative rounding, ~6 per layer), so the device's
 /// logits carry ~1e-2 relative noise; log-probs inherit it in proportion to their magnitude.
-fn model_tol(reference: f32) -> f32 {
+pub(super) fn model_tol(reference: f32) -> f32 {
     5e-2 + 2e-2 * reference.abs()
 }
 
@@ -90,7 +108,9 @@ fn score_one<B: Backend>(m: &Model<B>, ctx: &[u32], tgt: &[u32]) -> Vec<f32> {
 fn tiny_models_generate_and_score() {
     let _ = cuda_or_skip!();
     let cases = cases();
-    for arch in ["llama", "qwen2"] {
+    // every fixture family (tests/common: Llama, Qwen2, Qwen3 with its q/k norms and
+    // head_dim ≠ hidden/heads, Mistral, Llama-3.2 with llama3 RoPE scaling)
+    for arch in ARCHS {
         let (mut c, mut d) = tiny_pair(arch);
         let g = &cases[arch]["greedy"];
         check_greedy(&format!("tiny-{arch} greedy"), &c, &d, &ids(&g["prefix"]), 12);
@@ -182,5 +202,78 @@ fn qwen2_half_b_layer_batched() {
     let outs = runtime::generate(&dm, &mut dkv, reqs, SchedOptions { max_batch_tokens: 256 }, |_| {}).unwrap();
     for (i, (p, o)) in prompts.iter().zip(&outs).enumerate() {
         check_path(&format!("0.5B layer batched request {i}"), &c, p, &o.new_ids);
+    }
+}
+
+/// Qwen3 per-layer shapes for the whole-model tests (model_train.rs' `qwen3_shape_*`):
+/// (name, hidden, n_heads, n_kv_heads, intermediate), head_dim 128 (so q is n_heads·128 wide,
+/// not hidden), rms eps 1e-6, rope_theta 1e6, tied head — Qwen3-1.7B's and Qwen3-4B's layers.
+pub(super) const QWEN3_SHAPES: [(&str, usize, usize, usize, usize); 2] = [("qwen3-1.7b", 2048, 16, 8, 6144), ("qwen3-4b", 2560, 32, 8, 9728)];
+
+/// A random-weight Qwen3 checkpoint with `shape`'s layer sizes, `layers` layers and a vocabulary
+/// of `vocab`, written as an HF directory (config.json + model.safetensors in bf16, tied head, HF
+/// tensor names including `self_attn.q_norm.weight` / `k_norm.weight`) in a temporary directory,
+/// for the engine's own reader. HF-like init: projections and embeddings normal(0, 0.02),
+/// attention/MLP/final norms 1; the q/k norm weights random around 1 (q and k different, as in
+/// trained checkpoints, so a swap or an indexing error shows). Returns the directory (kept alive
+/// by the TempDir) and the path.
+pub(super) fn qwen3_shape_dir(shape: (&str, usize, usize, usize, usize), layers: usize, vocab: usize, seed: u64) -> (tempfile::TempDir, std::path::PathBuf) {
+    use safetensors::tensor::TensorView;
+    let (name, d, nh, nkv, inter) = shape;
+    let hd = 128;
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": d, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd,
+        "vocab_size": vocab, "tie_word_embeddings": true, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "attention_bias": false, "hidden_act": "silu", "use_sliding_window": false,
+        "sliding_window": null, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let mut rng = Rng::new(seed);
+    let bytes = |v: Vec<f32>| -> Vec<u8> { v.into_iter().flat_map(|x| half::bf16::from_f32(x).to_le_bytes()).collect() };
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, data: Vec<f32>| tensors.push((name, shape, bytes(data)));
+    add("model.embed_tokens.weight".into(), vec![vocab, d], randn(&mut rng, vocab * d, 0.02));
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.input_layernorm.weight"), vec![d], vec![1.0; d]);
+        add(format!("{p}.self_attn.q_proj.weight"), vec![nh * hd, d], randn(&mut rng, nh * hd * d, 0.02));
+        add(format!("{p}.self_attn.k_proj.weight"), vec![nkv * hd, d], randn(&mut rng, nkv * hd * d, 0.02));
+        add(format!("{p}.self_attn.v_proj.weight"), vec![nkv * hd, d], randn(&mut rng, nkv * hd * d, 0.02));
+        add(format!("{p}.self_attn.q_norm.weight"), vec![hd], (0..hd).map(|_| 1.0 + 0.3 * rng.normal() as f32).collect());
+        add(format!("{p}.self_attn.k_norm.weight"), vec![hd], (0..hd).map(|_| 0.8 + 0.2 * rng.normal() as f32).collect());
+        add(format!("{p}.self_attn.o_proj.weight"), vec![d, nh * hd], randn(&mut rng, d * nh * hd, 0.02));
+        add(format!("{p}.post_attention_layernorm.weight"), vec![d], vec![1.0; d]);
+        add(format!("{p}.mlp.gate_proj.weight"), vec![inter, d], randn(&mut rng, inter * d, 0.02));
+        add(format!("{p}.mlp.up_proj.weight"), vec![inter, d], randn(&mut rng, inter * d, 0.02));
+        add(format!("{p}.mlp.down_proj.weight"), vec![d, inter], randn(&mut rng, d * inter, 0.02));
+    }
+    add("model.norm.weight".into(), vec![d], vec![1.0; d]);
+    let views: Vec<(String, TensorView)> = tensors.iter().map(|(n, s, b)| (n.clone(), TensorView::new(safetensors::Dtype::BF16, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    (t, dir)
+}
+
+/// The Qwen3 directory writer produces what the engine reads as Qwen3 (runs without a GPU): the
+/// config's geometry, the q/k norm weights at their place, the tied head, bf16-exact values.
+#[test]
+fn qwen3_shape_dir_loads_as_qwen3() {
+    let shape = ("qwen3-small", 256, 4, 2, 384);
+    let (_t, dir) = qwen3_shape_dir(shape, 2, 64, 5);
+    let cfg = ModelConfig::load(&dir).unwrap();
+    assert_eq!((cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim(), cfg.intermediate, cfg.vocab), (256, 4, 2, 128, 512, 384, 64));
+    assert!(cfg.qk_norm && !cfg.qkv_bias, "qwen3: q/k norms, no q/k/v bias");
+    assert_eq!(cfg.rms_eps, 1e-6);
+    let w = ModelWeights::load(&dir, &cfg).unwrap();
+    assert!(w.lm_head.is_none(), "tied head");
+    assert_eq!(w.layers.len(), 2);
+    for l in &w.layers {
+        let (qn, kn) = l.qk_norm.as_ref().expect("q/k norm weights");
+        assert_eq!((qn.shape.as_slice(), kn.shape.as_slice()), (&[128usize][..], &[128usize][..]));
+        assert!(qn.data != kn.data && qn.data.iter().all(|&x| x == bf(x)));
+        assert_eq!(l.qkv.shape, vec![512 + 2 * 256, 256]);
     }
 }
