@@ -1,9 +1,12 @@
 //! Kernel micro-benchmarks on SmolLM2-135M's shapes (2 threads here): our AVX-512 GEMM against
-//! the `gemm` crate, prefill attention, and the training attention forward/backward.
+//! the `gemm` crate, prefill attention, and the training attention forward/backward; the bf16
+//! weight kernels (`gemm_bf16`) against f32, and the machine's limits they are measured against
+//! (streaming read bandwidth, `vdpbf16ps` and f32 FMA peaks).
 //!
 //! `cargo bench --bench kernels` (add a filter, e.g. `-- gemm`). Whole-model figures against
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use infomem_engine::backend::cpu::gemm_bf16::{matmul_bf16, matmul_bf16_with, matmul_dx_bf16, Kernel, PackedBf16};
 use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend};
 use infomem_engine::backend::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
@@ -89,5 +92,121 @@ fn prefill_attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gemms, decode_matmul, prefill_attention);
+/// bf16 weights against f32 on the prefill/training shapes (4096 rows): `x·Wᵀ` and `dy·W`, FLOP/s.
+fn gemm_bf16(c: &mut Criterion) {
+    let mut g = c.benchmark_group("bf16 gemm");
+    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    // (rows, k, n): q/k/v (n = 576 + 2·192), gate/up, down
+    for &(m, k, n) in &[(4096usize, 576usize, 960usize), (4096, 576, 3072), (4096, 1536, 576)] {
+        let x = data(m * k, 1);
+        let w = data(n * k, 2);
+        let pw = PackedBf16::from_f32(&w, n, k);
+        let dy = data(m * n, 3);
+        let mut out = vec![0f32; m * n];
+        let mut dx = vec![0f32; m * k];
+        g.throughput(Throughput::Elements((2 * m * n * k) as u64)); // FLOP
+        g.bench_function(format!("bf16 x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul_bf16(&x, &pw, None, m, k, n, &mut out)));
+        g.bench_function(format!("f32 x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul::matmul(&x, &w, None, m, k, n, &mut out)));
+        g.bench_function(format!("bf16 dy·W {m}x{n}x{k}"), |b| b.iter(|| matmul_dx_bf16(&dy, &pw, m, n, k, &mut dx, false)));
+        g.bench_function(format!("f32 dy·W {m}x{n}x{k}"), |b| b.iter(|| matmul::matmul_dx(&dy, &w, m, n, k, &mut dx, false)));
+        if n == 960 {
+            // the fallback for CPUs without AVX512_BF16 (same bits, f32 FMAs)
+            g.bench_function(format!("bf16 portable x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, Kernel::Portable, true)));
+        }
+    }
+    g.finish();
+}
+
+/// Decode with bf16 weights against f32: 1 and 8 rows against each weight matrix, weights from
+/// DRAM (several copies cycled), throughput in weight bytes streamed.
+fn decode_bf16(c: &mut Criterion) {
+    let mut g = c.benchmark_group("bf16 decode");
+    g.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    for &(k, n) in &[(576usize, 960usize), (576, 3072), (1536, 576), (576, 49152)] {
+        let copies = (256 << 20) / (n * k * 2) + 1;
+        let pws: Vec<PackedBf16> = (0..copies).map(|i| PackedBf16::from_f32(&data(n * k, i as u32), n, k)).collect();
+        let copies32 = (256 << 20) / (n * k * 4) + 1;
+        let ws: Vec<Vec<f32>> = (0..copies32).map(|i| data(n * k, i as u32)).collect();
+        for rows in [1usize, 8] {
+            let x = data(rows * k, 9);
+            let mut out = vec![0f32; rows * n];
+            let mut i = 0;
+            g.throughput(Throughput::Bytes((n * k * 2) as u64));
+            g.bench_function(format!("bf16 {rows} rows x {k}x{n}"), |b| {
+                b.iter(|| {
+                    i = (i + 1) % copies;
+                    matmul_bf16(&x, &pws[i], None, rows, k, n, &mut out)
+                })
+            });
+            g.throughput(Throughput::Bytes((n * k * 4) as u64));
+            g.bench_function(format!("f32 {rows} rows x {k}x{n}"), |b| {
+                b.iter(|| {
+                    i = (i + 1) % copies32;
+                    matmul::matmul(&x, &ws[i], None, rows, k, n, &mut out)
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// What the kernels are measured against: DRAM streaming read bandwidth (1 GiB, one thread and
+/// all), and the register-resident `vdpbf16ps` and f32 FMA peaks on every thread.
+fn machine(c: &mut Criterion) {
+    use rayon::prelude::*;
+    let mut g = c.benchmark_group("machine");
+    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    let threads = rayon::current_num_threads();
+    let buf: Vec<u64> = (0..(1usize << 30) / 8).map(|i| i as u64).collect();
+    g.throughput(Throughput::Bytes((buf.len() * 8) as u64));
+    let sum = |s: &[u64]| s.iter().fold(0u64, |a, &v| a.wrapping_add(v));
+    g.bench_function("read 1 GiB, 1 thread", |b| b.iter(|| black_box(sum(&buf))));
+    g.bench_function(format!("read 1 GiB, {threads} threads"), |b| b.iter(|| black_box(buf.par_chunks(1 << 20).map(sum).reduce(|| 0, u64::wrapping_add))));
+    drop(buf);
+    #[cfg(target_arch = "x86_64")]
+    {
+        const ITERS: usize = 1 << 22;
+        if infomem_engine::backend::cpu::gemm_bf16::native_available() {
+            g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 4) as u64)); // FLOP: 16 lanes × 2 products × 2
+            g.bench_function(format!("vdpbf16ps peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::bf16(ITERS)) })));
+        }
+        g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 2) as u64));
+        g.bench_function(format!("f32 FMA peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma(ITERS)) })));
+    }
+    g.finish();
+}
+
+#[cfg(target_arch = "x86_64")]
+mod peak {
+    use std::arch::x86_64::*;
+    /// Independent accumulators: more than latency × throughput (6 cycles × 2 per cycle).
+    pub const ACC: usize = 24;
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn bf16(iters: usize) -> f32 {
+        let mut acc = [_mm512_setzero_ps(); ACC];
+        let w: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3f80_3f80)); // (1, 1)
+        let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3c00_3c00)); // (2⁻⁷, 2⁻⁷)
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_dpbf16_ps(*a, w, x);
+            }
+        }
+        acc.iter().fold(0.0, |s, &a| s + _mm512_reduce_add_ps(a))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma(iters: usize) -> f32 {
+        let mut acc = [_mm512_setzero_ps(); ACC];
+        let (w, x) = (_mm512_set1_ps(1.0), _mm512_set1_ps(1.0 / 128.0));
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_fmadd_ps(w, x, *a);
+            }
+        }
+        acc.iter().fold(0.0, |s, &a| s + _mm512_reduce_add_ps(a))
+    }
+}
+
+criterion_group!(benches, gemms, decode_matmul, prefill_attention, gemm_bf16, decode_bf16, machine);
 criterion_main!(benches);

@@ -12,7 +12,7 @@
 mod common;
 
 use common::{cases, expected, fixtures, ARCHS};
-use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::backend::cpu::{CpuBackend, CpuBuf};
 use infomem_engine::backend::{AdamWStep, DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, Backend};
 use infomem_engine::model::config::ModelConfig;
@@ -29,6 +29,11 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
     let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
     num / den.max(1e-300)
+}
+
+/// `randn` as a backend buffer.
+fn randb(rng: &mut Rng, n: usize, s: f64) -> CpuBuf {
+    randn(rng, n, s).into()
 }
 
 fn randn(rng: &mut Rng, n: usize, s: f64) -> Vec<f32> {
@@ -319,8 +324,8 @@ fn model_fd(arch: &str) {
     for (l, row) in grads.layers.iter().enumerate() {
         for p in ALL_PROJS {
             let (ga, gb) = row[p.index()].as_ref().unwrap();
-            g.push((l, p, 'A', ga.clone()));
-            g.push((l, p, 'B', gb.clone()));
+            g.push((l, p, 'A', ga.to_vec()));
+            g.push((l, p, 'B', gb.to_vec()));
         }
     }
     let gmax = g.iter().flat_map(|t| t.3.iter()).fold(0f32, |m, &x| m.max(x.abs())) as f64;
@@ -463,16 +468,16 @@ fn op_attention_gqa_several_sequences() {
     let rows = row;
     let w = g.qkv_dim();
     let mut rng = Rng::new(1);
-    let qkv = randn(&mut rng, rows * w, 1.0);
-    let c = randn(&mut rng, rows * g.q_dim(), 1.0);
-    let mut out = vec![0f32; rows * g.q_dim()];
-    let mut lse = vec![0f32; rows * g.n_heads];
+    let qkv = randb(&mut rng, rows * w, 1.0);
+    let c = randb(&mut rng, rows * g.q_dim(), 1.0);
+    let mut out = CpuBuf::from(vec![0f32; rows * g.q_dim()]);
+    let mut lse = CpuBuf::from(vec![0f32; rows * g.n_heads]);
     be.attn_dense(&qkv, &seqs, g, &mut out, &mut lse).unwrap();
     let (out_ref, lse_ref) = attn_ref(&f64v(&qkv), &seqs, g);
     assert!(rel_err(&f64v(&out), &out_ref) < 1e-5, "forward out {:.2e}", rel_err(&f64v(&out), &out_ref));
     assert!(rel_err(&f64v(&lse), &lse_ref) < 1e-5, "forward lse");
 
-    let mut dqkv = vec![f32::NAN; rows * w];
+    let mut dqkv = CpuBuf::from(vec![f32::NAN; rows * w]);
     be.attn_dense_bwd(&qkv, &out, &c, &lse, &seqs, g, &mut dqkv).unwrap();
     assert!(dqkv.iter().all(|v| v.is_finite()), "every row and column of dqkv is written");
     // rows: first/last of every sequence, both sides of the 64-row tile boundary, a middle one
@@ -491,10 +496,10 @@ fn op_rmsnorm_backward() {
     let be = CpuBackend::new();
     let (rows, d, eps) = (70, 40, 1e-5f32);
     let mut rng = Rng::new(2);
-    let x = randn(&mut rng, rows * d, 2.0);
-    let w: Vec<f32> = (0..d).map(|_| (1.0 + 0.3 * rng.normal()) as f32).collect();
-    let c = randn(&mut rng, rows * d, 1.0);
-    let prior = randn(&mut rng, rows * d, 1.0);
+    let x = randb(&mut rng, rows * d, 2.0);
+    let w: CpuBuf = (0..d).map(|_| (1.0 + 0.3 * rng.normal()) as f32).collect::<Vec<f32>>().into();
+    let c = randb(&mut rng, rows * d, 1.0);
+    let prior = randb(&mut rng, rows * d, 1.0);
     let mut dx = prior.clone();
     be.rmsnorm_bwd(&x, &w, &c, eps, rows, d, &mut dx, true).unwrap();
     let (w64, c64) = (f64v(&w), f64v(&c));
@@ -525,14 +530,14 @@ fn op_rope_backward() {
     let w = g.qkv_dim();
     let positions: Vec<u32> = vec![0, 1, 2, 7, 300, 0, 5];
     let rows = positions.len();
-    let inv: Vec<f32> = (0..4).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 8.0)).collect();
+    let inv: CpuBuf = (0..4).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 8.0)).collect::<Vec<f32>>().into();
     let mut rng = Rng::new(3);
-    let x = randn(&mut rng, rows * w, 1.0);
-    let c = randn(&mut rng, rows * w, 1.0);
+    let x = randb(&mut rng, rows * w, 1.0);
+    let c = randb(&mut rng, rows * w, 1.0);
     let mut dx = c.clone();
     be.rope_bwd(&mut dx, &positions, &inv, g).unwrap();
     let f = |x: &[f32]| {
-        let mut y = x.to_vec();
+        let mut y = CpuBuf::from(x.to_vec());
         be.rope(&mut y, &positions, &inv, g).unwrap();
         dot64(&f64v(&y), &f64v(&c))
     };
@@ -553,9 +558,9 @@ fn op_swiglu_backward() {
     let be = CpuBackend::new();
     let (m, i) = (40, 24);
     let mut rng = Rng::new(4);
-    let gu = randn(&mut rng, m * 2 * i, 3.0);
-    let c = randn(&mut rng, m * i, 1.0);
-    let mut dgu = vec![0f32; m * 2 * i];
+    let gu = randb(&mut rng, m * 2 * i, 3.0);
+    let c = randb(&mut rng, m * i, 1.0);
+    let mut dgu = CpuBuf::from(vec![0f32; m * 2 * i]);
     be.swiglu_bwd(&gu, &c, m, i, &mut dgu).unwrap();
     let c64 = f64v(&c);
     let f = |x: &[f64]| {
@@ -581,11 +586,11 @@ fn op_head_backward_tiled() {
     // 2500 entries: three vocabulary tiles, the last one partial; rows split across tasks
     let (rows, d, vocab) = (7, 24, 2500);
     let mut rng = Rng::new(5);
-    let h = randn(&mut rng, rows * d, 1.0);
-    let head = randn(&mut rng, vocab * d, 1.0);
+    let h = randb(&mut rng, rows * d, 1.0);
+    let head = randb(&mut rng, vocab * d, 1.0);
     let targets: Vec<u32> = vec![0, 2499, 1023, 1024, 7, 2048, 1500];
-    let c = randn(&mut rng, rows, 1.0);
-    let mut g = vec![0f32; rows * d];
+    let c = randb(&mut rng, rows, 1.0);
+    let mut g = CpuBuf::from(vec![0f32; rows * d]);
     let out = be.head_grad(&h, &head, &targets, d, vocab, &mut g).unwrap();
     let head64 = f64v(&head);
     // float64 log-probs and entropies
@@ -621,12 +626,12 @@ fn op_lora_and_projection_backward() {
     let be = CpuBackend::new();
     let (m, k, r, n_out, ld, col0, scale) = (21, 12, 3, 7, 20, 6, 1.7f32);
     let mut rng = Rng::new(6);
-    let x = randn(&mut rng, m * k, 1.0);
-    let a = randn(&mut rng, r * k, 0.5);
-    let b = randn(&mut rng, n_out * r, 0.5);
-    let c = randn(&mut rng, m * ld, 1.0);
-    let (mut da, mut db) = (vec![0f32; r * k], vec![0f32; n_out * r]);
-    let prior = randn(&mut rng, m * k, 1.0);
+    let x = randb(&mut rng, m * k, 1.0);
+    let a = randb(&mut rng, r * k, 0.5);
+    let b = randb(&mut rng, n_out * r, 0.5);
+    let c = randb(&mut rng, m * ld, 1.0);
+    let (mut da, mut db) = (CpuBuf::from(vec![0f32; r * k]), CpuBuf::from(vec![0f32; n_out * r]));
+    let prior = randb(&mut rng, m * k, 1.0);
     let mut dx = prior.clone();
     be.lora_bwd(&x, &a, &b, scale, m, k, r, n_out, &c, col0, ld, &mut da, &mut db, Some(&mut dx)).unwrap();
     let c64 = f64v(&c);
@@ -661,10 +666,10 @@ fn op_lora_and_projection_backward() {
 
     // frozen projection: dx = dy · W, L = Σ c ∘ (x Wᵀ)
     let (n, kk) = (9, 13);
-    let wt = randn(&mut rng, n * kk, 1.0);
-    let xx = randn(&mut rng, m * kk, 1.0);
-    let cc = randn(&mut rng, m * n, 1.0);
-    let mut dxx = vec![0f32; m * kk];
+    let wt = randb(&mut rng, n * kk, 1.0);
+    let xx = randb(&mut rng, m * kk, 1.0);
+    let cc = randb(&mut rng, m * n, 1.0);
+    let mut dxx = CpuBuf::from(vec![0f32; m * kk]);
     be.matmul_dx(&cc, &wt, m, n, kk, &mut dxx, false).unwrap();
     let (w64, cc64) = (f64v(&wt), f64v(&cc));
     let fp = |x: &[f64]| {
@@ -687,13 +692,13 @@ fn op_adamw_matches_pytorch_formula() {
     let be = CpuBackend::new();
     let mut rng = Rng::new(7);
     let n = 50;
-    let mut p = randn(&mut rng, n, 1.0);
-    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+    let mut p = randb(&mut rng, n, 1.0);
+    let (mut m, mut v) = (CpuBuf::from(vec![0f32; n]), CpuBuf::from(vec![0f32; n]));
     let mut p64 = f64v(&p);
     let (mut m64, mut v64) = (vec![0f64; n], vec![0f64; n]);
     let (lr, b1, b2, eps, wd, gs) = (1e-2, 0.9, 0.999, 1e-8, 0.1, 0.5);
     for step in 1..=3u64 {
-        let g = randn(&mut rng, n, 1.0);
+        let g = randb(&mut rng, n, 1.0);
         be.adamw(&mut p, &g, &mut m, &mut v, AdamWStep { lr: lr as f32, beta1: b1 as f32, beta2: b2 as f32, eps: eps as f32, weight_decay: wd as f32, step, grad_scale: gs as f32 })
             .unwrap();
         for i in 0..n {

@@ -10,6 +10,7 @@
 #                 their definitions are in tools/bench_torch.py's docstring
 #   --device      cpu (default) or cuda (the engine gets --backend cuda)
 #   --dtype       dtype of the PyTorch side (default float32 on cpu, bfloat16 on cuda)
+#   --engine-dtype  the engine's --dtype (f32 or bf16; default: the engine's default)
 #   --repeat R    timed runs of each side after a same-shape warm-up (median reported; default 1)
 #   --out FILE    also write every raw JSON line (engine and torch) to FILE
 #
@@ -27,6 +28,7 @@ MODEL="$CACHE/SmolLM2-135M-Instruct"
 WORKS="score decode train"
 DEVICE=cpu
 DTYPE=""
+EDTYPE=""
 REPEAT=1
 OUT=""
 BIN="${INFOMEM_BIN:-target/release/infomem-engine}"
@@ -42,6 +44,7 @@ while [ $# -gt 0 ]; do
     --works) WORKS="${2:?--works needs a list}"; shift 2 ;;
     --device) DEVICE="${2:?--device needs cpu or cuda}"; shift 2 ;;
     --dtype) DTYPE="${2:?--dtype needs a value}"; shift 2 ;;
+    --engine-dtype) EDTYPE="${2:?--engine-dtype needs f32 or bf16}"; shift 2 ;;
     --repeat) REPEAT="${2:?--repeat needs a number}"; shift 2 ;;
     --out) OUT="${2:?--out needs a file}"; shift 2 ;;
     -h|--help) usage 0 ;;
@@ -112,6 +115,7 @@ for w in $WORKS; do
   if [ "$ENGINE_OK" = 1 ]; then
     ecmd=("$BIN" bench --model "$MODEL" --work "$w" --repeat "$REPEAT" --stat median --json)
     [ "$DEVICE" = cuda ] && ecmd+=(--backend cuda)
+    [ -n "$EDTYPE" ] && ecmd+=(--dtype "$EDTYPE")
     CMDS+=("$(quote "${ecmd[@]}")")
     echo "bench-compare: [$w] engine: $(quote "${ecmd[@]}")" >&2
     e_out="$("${ecmd[@]}")"; rc=$?

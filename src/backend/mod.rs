@@ -187,6 +187,13 @@ pub trait Backend: Send + Sync {
     fn upload_param(&self, data: &[f32]) -> Result<Self::Buf> {
         self.upload(data)
     }
+    /// Upload a frozen weight matrix `[n, k]` (row-major, HF layout): stored in the backend's
+    /// weight dtype (bf16 on CUDA; f32 or bf16 on the CPU per `--dtype`). Norms, biases and
+    /// trainable parameters use `upload_vec` / `upload_param`.
+    fn upload_weight(&self, data: Vec<f32>, n: usize, k: usize) -> Result<Self::Buf> {
+        let _ = (n, k);
+        self.upload_vec(data)
+    }
     /// A zero-filled buffer of `n` elements.
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;

@@ -10,7 +10,7 @@ pub mod train;
 
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
-use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::backend::cpu::{CpuBackend, WeightDtype};
 use infomem_engine::backend::Backend;
 use infomem_engine::runtime::Model;
 use std::path::PathBuf;
@@ -19,6 +19,33 @@ use std::path::PathBuf;
 pub enum BackendKind {
     Cpu,
     Cuda,
+}
+
+/// How the model's weight matrices are stored (`--dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeArg {
+    /// f32 weights (CPU only).
+    F32,
+    /// bf16 weights, f32 accumulation (the CUDA backend's only mode; on the CPU the vdpbf16ps kernels).
+    Bf16,
+}
+
+impl DtypeArg {
+    /// The CPU backend for this dtype.
+    pub fn cpu(self) -> CpuBackend {
+        match self {
+            DtypeArg::F32 => CpuBackend::with_weights(WeightDtype::F32),
+            DtypeArg::Bf16 => CpuBackend::with_weights(WeightDtype::Bf16),
+        }
+    }
+    /// `--dtype` against the backend: CUDA stores weights in bf16 only.
+    pub fn check(self, backend: BackendKind) -> Result<()> {
+        if backend == BackendKind::Cuda && self == DtypeArg::F32 {
+            bail!("--dtype f32 is not available with --backend cuda: the CUDA backend stores weights in bf16 (use --dtype bf16 or leave --dtype out)");
+        }
+        Ok(())
+    }
 }
 
 #[derive(Args, Clone, Debug)]
@@ -32,6 +59,9 @@ pub struct ModelArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
+    /// Weight storage: f32, or bf16 (rounded once at load; products accumulate in f32; activations, norms and LoRA stay f32). Default: f32 on the CPU, bf16 on CUDA (its only mode).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
 }
 
 impl ModelArgs {
@@ -41,7 +71,12 @@ impl ModelArgs {
         if self.backend != BackendKind::Cpu {
             bail!("--backend cuda is not supported by this command yet (it runs on the CPU backend only)");
         }
-        self.load_on(CpuBackend::new())
+        self.load_on(self.cpu_backend()?)
+    }
+
+    /// The CPU backend for `--dtype` (f32 unless bf16 is asked for).
+    pub fn cpu_backend(&self) -> Result<CpuBackend> {
+        Ok(self.dtype.unwrap_or(DtypeArg::F32).cpu())
     }
 
     /// Load the model (and adapter) on a given backend.
@@ -62,10 +97,13 @@ macro_rules! with_model {
     ($args:expr, |$m:ident| $body:expr) => {
         match $args.backend {
             $crate::cli::BackendKind::Cpu => {
-                let $m = $args.load_on(infomem_engine::backend::cpu::CpuBackend::new())?;
+                let $m = $args.load_on($args.cpu_backend()?)?;
                 $body
             }
             $crate::cli::BackendKind::Cuda => {
+                if let Some(d) = $args.dtype {
+                    d.check($crate::cli::BackendKind::Cuda)?;
+                }
                 #[cfg(feature = "cuda")]
                 {
                     let $m = $args.load_on(infomem_engine::backend::cuda::CudaBackend::new(0)?)?;

@@ -93,6 +93,9 @@ pub struct TrainArgs {
     /// Compute backend (`cuda` needs a build with `--features cuda` and an sm_90 GPU).
     #[arg(long, value_enum, default_value_t = super::BackendKind::Cpu)]
     pub backend: super::BackendKind,
+    /// Weight storage: f32 or bf16 (rounded once; f32 accumulation; LoRA, gradients and optimizer state f32). Saved with the run: a resume keeps it. Default f32 (bf16 on CUDA).
+    #[arg(long, value_enum)]
+    pub dtype: Option<super::DtypeArg>,
     /// Training data JSONL.
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -214,6 +217,13 @@ impl TrainArgs {
         set!(steps, queries_per_step, group_size, chunk_tokens, memory_tokens, answer_tokens, temperature, top_p, extract, matcher, reward, beta,
              adv_norm, clip_low, clip_high, kl_coef, lr, warmup_steps, schedule, weight_decay, grad_clip, micro_batch_tokens, max_batch_tokens,
              save_every, keep_checkpoints, seed, lora_r, lora_alpha, lora_targets);
+        if let Some(d) = self.dtype {
+            c.dtype = match d {
+                super::DtypeArg::F32 => "f32".into(),
+                super::DtypeArg::Bf16 => "bf16".into(),
+            };
+            explicit.insert("dtype".into());
+        }
         if let Some(v) = &self.out {
             c.out = v.clone();
         }
@@ -245,8 +255,17 @@ pub fn train(a: TrainArgs) -> Result<()> {
     run_cfg.validate()?;
     let model_dir = run_cfg.model.clone().unwrap();
     match a.backend {
-        super::BackendKind::Cpu => train_on(Model::load(&model_dir, CpuBackend::new())?, &a, cfg, &run_cfg),
+        super::BackendKind::Cpu => {
+            let be = match run_cfg.dtype.as_str() {
+                "bf16" => CpuBackend::with_weights(infomem_engine::backend::cpu::WeightDtype::Bf16),
+                _ => CpuBackend::new(),
+            };
+            train_on(Model::load(&model_dir, be)?, &a, cfg, &run_cfg)
+        }
         super::BackendKind::Cuda => {
+            if run_cfg.dtype == "f32" && explicit.contains("dtype") {
+                super::DtypeArg::F32.check(super::BackendKind::Cuda)?;
+            }
             #[cfg(feature = "cuda")]
             {
                 let model = Model::load(&model_dir, infomem_engine::backend::cuda::CudaBackend::new(0)?)?;

@@ -44,6 +44,9 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Start from this PEFT adapter instead of a fresh one.
     pub init_adapter: Option<PathBuf>,
+    /// Weight storage of the base model: "f32" or "bf16" (`--dtype`); part of the run, so a
+    /// resume keeps it (gradients are bit-exact across a resume within one dtype).
+    pub dtype: String,
     pub lora_r: usize,
     pub lora_alpha: f64,
     /// Any of q,k,v,o,gate,up,down.
@@ -89,6 +92,7 @@ impl Default for TrainConfig {
             data: None,
             out: PathBuf::from("runs/train"),
             init_adapter: None,
+            dtype: "f32".into(),
             lora_r: 16,
             lora_alpha: 32.0,
             lora_targets: ["q", "k", "v", "o", "gate", "up", "down"].iter().map(|s| s.to_string()).collect(),
@@ -146,6 +150,7 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         ensure!(self.model.is_some(), "no model: pass --model DIR (or `model = ...` in the config file)");
         ensure!(self.data.is_some(), "no training data: pass --data FILE (or `data = ...` in the config file)");
+        ensure!(matches!(self.dtype.as_str(), "f32" | "bf16"), "dtype must be \"f32\" or \"bf16\", got {:?}", self.dtype);
         let int = |key: &str, v: usize, lo: usize, hi: usize, why: &str| -> Result<()> {
             ensure!((lo..=hi).contains(&v), "{} must be an integer in {lo}..={hi}{why}, got {v}", flag(key));
             Ok(())

@@ -135,7 +135,7 @@ mod tests {
         let slots = kv.reserve(&be, &mut a, 6).unwrap();
         a.len = 6;
         assert_eq!(slots, vec![0, 1, 2, 3, 4, 5]);
-        let qkv = vec![1.0f32; 6 * 6];
+        let qkv: crate::backend::cpu::CpuBuf = vec![1.0f32; 6 * 6].into();
         be.kv_store(&mut kv.store, 0, &qkv, &slots, geom()).unwrap();
         let mut b = kv.fork(&a);
         assert_eq!(kv.pages_in_use(), 2);

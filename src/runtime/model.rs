@@ -85,25 +85,30 @@ impl<B: Backend> Model<B> {
 
     pub fn from_weights(cfg: ModelConfig, w: ModelWeights, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Result<Self> {
         let up = |t: crate::model::weights::HostTensor| be.upload_vec(t.data);
+        // frozen matrices in the backend's weight dtype (norms and biases stay f32)
+        let mat = |t: crate::model::weights::HostTensor| {
+            let (n, k) = (t.shape[0], t.data.len() / t.shape[0].max(1));
+            be.upload_weight(t.data, n, k)
+        };
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in w.layers {
             layers.push(DeviceLayer {
                 attn_norm: up(l.attn_norm)?,
-                qkv: up(l.qkv)?,
+                qkv: mat(l.qkv)?,
                 qkv_bias: l.qkv_bias.map(up).transpose()?,
                 qk_norm: l.qk_norm.map(|(q, k)| Ok::<_, anyhow::Error>((up(q)?, up(k)?))).transpose()?,
-                o: up(l.o)?,
+                o: mat(l.o)?,
                 o_bias: l.o_bias.map(up).transpose()?,
                 mlp_norm: up(l.mlp_norm)?,
-                gate_up: up(l.gate_up)?,
-                down: up(l.down)?,
+                gate_up: mat(l.gate_up)?,
+                down: mat(l.down)?,
             });
         }
         let inv_freq = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
         Ok(Model {
-            embed: up(w.embed)?,
+            embed: mat(w.embed)?,
             final_norm: up(w.final_norm)?,
-            lm_head: w.lm_head.map(up).transpose()?,
+            lm_head: w.lm_head.map(mat).transpose()?,
             layers,
             inv_freq,
             tokenizer,

@@ -17,7 +17,7 @@ fn paged_attention_mixed_batch() {
         let layer = 1;
         let write = |dkv: &mut cuda::CudaKv, ckv: &mut _, pages: &[u32], from: usize, to: usize, rng: &mut Rng| {
             let n = to - from;
-            let qkv = randn_bf(rng, n * width, 1.0);
+            let qkv = CpuBuf::from(randn_bf(rng, n * width, 1.0));
             let slots: Vec<u32> = (from..to).map(|p| pages[p / 16] * 16 + (p % 16) as u32).collect();
             let dq = be.upload(&qkv).unwrap();
             be.kv_store(dkv, layer, &dq, &slots, g).unwrap();
@@ -44,11 +44,11 @@ fn paged_attention_mixed_batch() {
             AttnSeq { q_row: 591, n_q: 1, ctx_len: 700, pages: &pb },
         ];
         let rows = 592;
-        let qkv = randn_bf(&mut rng, rows * width, 1.5);
+        let qkv = CpuBuf::from(randn_bf(&mut rng, rows * width, 1.5));
         let dq = be.upload(&qkv).unwrap();
         let mut dout = be.zeros(rows * g.q_dim()).unwrap();
         be.attention(&dkv, layer, &dq, &seqs, g, &mut dout).unwrap();
-        let mut want = vec![0f32; rows * g.q_dim()];
+        let mut want = CpuBuf::from(vec![0f32; rows * g.q_dim()]);
         cpu.attention(&ckv, layer, &qkv, &seqs, g, &mut want).unwrap();
         // The device rounds P (in [0,1]) to bf16 before P·V and the output to bf16: the output errs
         // by <= 2^-8·max|v| from P plus 2^-8·|out|; V ~ N(0,1) here, so 1e-2·max|V| bounds both

@@ -13,8 +13,8 @@ fn dense_attention_forward_and_backward() {
         let mut rng = Rng::new(nh as u64 * 100 + hd as u64);
         let (seqs, rows) = batch(&[5, 70, 1, 33, 130, 64, 300]);
         let (w, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
-        let qkv = randn_bf(&mut rng, rows * w, 1.5);
-        let (mut want, mut want_lse) = (vec![0f32; rows * q_dim], vec![0f32; rows * nh]);
+        let qkv = CpuBuf::from(randn_bf(&mut rng, rows * w, 1.5));
+        let (mut want, mut want_lse) = (CpuBuf::from(vec![0f32; rows * q_dim]), CpuBuf::from(vec![0f32; rows * nh]));
         cpu.attn_dense(&qkv, &seqs, g, &mut want, &mut want_lse).unwrap();
         let vmax = max_abs(&qkv);
         for dtype in [Dtype::F32, Dtype::Bf16] {
@@ -28,9 +28,9 @@ fn dense_attention_forward_and_backward() {
             check(&format!("attn_dense lse hd{hd} {dtype:?}"), &be.download(&lse).unwrap(), &want_lse, 1e-5, 1e-5);
         }
         // backward on identical inputs: the forward output as the device stores it (bf16) and lse
-        let out_bf: Vec<f32> = want.iter().map(|&x| bf(x)).collect();
-        let dout = randn(&mut rng, rows * q_dim, 1.0);
-        let mut wd = vec![f32::NAN; rows * w];
+        let out_bf = CpuBuf::from(want.iter().map(|&x| bf(x)).collect::<Vec<f32>>());
+        let dout = CpuBuf::from(randn(&mut rng, rows * q_dim, 1.0));
+        let mut wd = CpuBuf::from(vec![f32::NAN; rows * w]);
         cpu.attn_dense_bwd(&qkv, &out_bf, &dout, &want_lse, &seqs, g, &mut wd).unwrap();
         let mut dd = be.upload_as(&vec![f32::NAN; rows * w], Dtype::F32).unwrap();
         be.attn_dense_bwd(&up(be, &qkv, Dtype::F32), &up(be, &out_bf, Dtype::Bf16), &up(be, &dout, Dtype::F32), &up(be, &want_lse, Dtype::F32), &seqs, g, &mut dd)

@@ -7,13 +7,13 @@ fn matmul_bias_and_lora() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(4);
     for &(m, k, n) in &[(1usize, 896usize, 1152usize), (64, 896, 9728), (333, 2048, 256), (7, 64, 96)] {
-        let x = randn_bf(&mut rng, m * k, 1.0);
-        let w = randn_bf(&mut rng, n * k, 0.05);
-        let b = randn_bf(&mut rng, n, 0.5);
+        let x = CpuBuf::from(randn_bf(&mut rng, m * k, 1.0));
+        let w = CpuBuf::from(randn_bf(&mut rng, n * k, 0.05));
+        let b = CpuBuf::from(randn_bf(&mut rng, n, 0.5));
         let (dx, dw, db) = (be.upload(&x).unwrap(), be.upload(&w).unwrap(), be.upload(&b).unwrap());
         let mut out = be.zeros(m * n).unwrap();
         be.matmul(&dx, &dw, Some(&db), m, k, n, &mut out).unwrap();
-        let mut want = vec![0f32; m * n];
+        let mut want = CpuBuf::from(vec![0f32; m * n]);
         cpu.matmul(&x, &w, Some(&b), m, k, n, &mut want).unwrap();
         // products of bf16 values are exact in f32; only the summation order differs:
         // |error| <= k·2^-24·Σ|x||w| ≈ 1e-4·(typical |y|·sqrt(k)) — bound 2e-4 of the row max + 1e-4
@@ -22,9 +22,9 @@ fn matmul_bias_and_lora() {
 
         // LoRA into a column slice of a wider output, on top of the product
         let (r, col0, ld, n_out) = (8, 16, n + 32, n.min(64));
-        let a = randn_bf(&mut rng, r * k, 0.05);
-        let bb = randn_bf(&mut rng, n_out * r, 0.5);
-        let base = randn(&mut rng, m * ld, 1.0);
+        let a = CpuBuf::from(randn_bf(&mut rng, r * k, 0.05));
+        let bb = CpuBuf::from(randn_bf(&mut rng, n_out * r, 0.5));
+        let base = CpuBuf::from(randn(&mut rng, m * ld, 1.0));
         let mut dout = be.upload_as(&base, Dtype::F32).unwrap();
         let (da, dbb) = (be.upload(&a).unwrap(), be.upload(&bb).unwrap());
         be.lora(&dx, &da, &dbb, 2.0, m, k, r, n_out, &mut dout, col0, ld).unwrap();
@@ -52,9 +52,9 @@ fn projections_lora_backward_and_merge() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(4);
     for &(m, k, n) in &[(1usize, 896usize, 1152usize), (333, 896, 4864), (64, 2048, 256), (7, 64, 96)] {
-        let w = randn_bf(&mut rng, n * k, 0.05);
-        let dy = randn_bf(&mut rng, m * n, 1.0);
-        let prior = randn(&mut rng, m * k, 1.0);
+        let w = CpuBuf::from(randn_bf(&mut rng, n * k, 0.05));
+        let dy = CpuBuf::from(randn_bf(&mut rng, m * n, 1.0));
+        let prior = CpuBuf::from(randn(&mut rng, m * k, 1.0));
         let dw = be.upload(&w).unwrap();
         let ddy = up(be, &dy, Dtype::F32);
         for accumulate in [false, true] {
@@ -68,14 +68,14 @@ fn projections_lora_backward_and_merge() {
 
         // LoRA pair on columns col0 .. col0 + n_out of a fused output of width ld = n
         let (r, col0, n_out, scale) = (16, n / 4, n / 2, 2.0f32);
-        let x = randn_bf(&mut rng, m * k, 1.0);
-        let a = randn_bf(&mut rng, r * k, 0.05);
-        let b = randn_bf(&mut rng, n_out * r, 0.5);
-        let (pa, pb) = (randn(&mut rng, r * k, 0.1), randn(&mut rng, n_out * r, 0.1));
+        let x = CpuBuf::from(randn_bf(&mut rng, m * k, 1.0));
+        let a = CpuBuf::from(randn_bf(&mut rng, r * k, 0.05));
+        let b = CpuBuf::from(randn_bf(&mut rng, n_out * r, 0.5));
+        let (pa, pb) = (CpuBuf::from(randn(&mut rng, r * k, 0.1)), CpuBuf::from(randn(&mut rng, n_out * r, 0.1)));
         let (dxx, da_, db_) = (be.upload(&x).unwrap(), be.upload(&a).unwrap(), be.upload(&b).unwrap());
         let (mut ga, mut gb, mut gx) = (up(be, &pa, Dtype::F32), up(be, &pb, Dtype::F32), up(be, &prior, Dtype::F32));
         // the realistic case: an f32 gradient that the device rounds to bf16 itself
-        let dyf = randn(&mut rng, m * n, 1.0);
+        let dyf = CpuBuf::from(randn(&mut rng, m * n, 1.0));
         be.lora_bwd(&dxx, &da_, &db_, scale, m, k, r, n_out, &up(be, &dyf, Dtype::F32), col0, n, &mut ga, &mut gb, Some(&mut gx)).unwrap();
         let (mut wa, mut wb, mut wx) = (pa.clone(), pb.clone(), prior.clone());
         cpu.lora_bwd(&x, &a, &b, scale, m, k, r, n_out, &dyf, col0, n, &mut wa, &mut wb, Some(&mut wx)).unwrap();
@@ -99,11 +99,11 @@ fn projections_lora_backward_and_merge() {
         check_rows("lora_merge (downloaded)", &be.download(&merged).unwrap(), &cw, k, 1e-6, 1e-7);
         let mut y = be.zeros(m * n).unwrap();
         be.matmul(&dxx, &merged, None, m, k, n, &mut y).unwrap();
-        let mut wy = vec![0f32; m * n];
+        let mut wy = CpuBuf::from(vec![0f32; m * n]);
         cpu.matmul(&x, &cw, None, m, k, n, &mut wy).unwrap();
         // base product as matmul (2e-4 of the row); the delta has x·Aᵀ rounded to bf16 (2^-8 of
         // scale·|x·Aᵀ|·|B|, bounded by 1e-2 of the delta's row max)
-        let mut delta = vec![0f32; m * n];
+        let mut delta = CpuBuf::from(vec![0f32; m * n]);
         cpu.lora(&x, &a, &b, scale, m, k, r, n_out, &mut delta, col0, n).unwrap();
         let got_y = be.download(&y).unwrap();
         for row in 0..m {
@@ -112,7 +112,7 @@ fn projections_lora_backward_and_merge() {
         }
         let mut dxm = be.zeros(m * k).unwrap();
         be.matmul_dx(&ddy, &merged, m, n, k, &mut dxm, false).unwrap();
-        let mut wdx = vec![0f32; m * k];
+        let mut wdx = CpuBuf::from(vec![0f32; m * k]);
         cpu.matmul_dx(&dy, &cw, m, n, k, &mut wdx, false).unwrap();
         check_rows("matmul_dx on merged weight", &be.download(&dxm).unwrap(), &wdx, k, 1e-2, 1e-4);
         // a merged weight is not a plain weight: other readers refuse it

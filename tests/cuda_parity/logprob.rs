@@ -7,8 +7,8 @@ fn logprobs_over_vocab_tiles() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(5);
     for &(rows, d, vocab) in &[(3usize, 64usize, 512usize), (300, 896, 50_003), (4200, 64, 3000)] {
-        let h = randn_bf(&mut rng, rows * d, 1.0);
-        let head = randn_bf(&mut rng, vocab * d, 0.1);
+        let h = CpuBuf::from(randn_bf(&mut rng, rows * d, 1.0));
+        let head = CpuBuf::from(randn_bf(&mut rng, vocab * d, 0.1));
         let targets: Vec<u32> = (0..rows).map(|i| if i == 0 { vocab as u32 - 1 } else { rng.below(vocab as u64) as u32 }).collect();
         let (dh, dw) = (be.upload(&h).unwrap(), be.upload(&head).unwrap());
         let got = be.logprobs(&dh, &dw, &targets, d, vocab).unwrap();
@@ -25,12 +25,12 @@ fn head_grad_over_vocab_tiles() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(5);
     for &(rows, d, vocab) in &[(3usize, 64usize, 512usize), (300, 896, 50_003), (4200, 64, 3000)] {
-        let h = randn_bf(&mut rng, rows * d, 1.0);
-        let head = randn_bf(&mut rng, vocab * d, 0.1);
+        let h = CpuBuf::from(randn_bf(&mut rng, rows * d, 1.0));
+        let head = CpuBuf::from(randn_bf(&mut rng, vocab * d, 0.1));
         let targets: Vec<u32> = (0..rows).map(|i| if i == 0 { vocab as u32 - 1 } else { rng.below(vocab as u64) as u32 }).collect();
         let mut g = be.zeros(rows * d).unwrap();
         let got = be.head_grad(&be.upload(&h).unwrap(), &be.upload(&head).unwrap(), &targets, d, vocab, &mut g).unwrap();
-        let mut wg = vec![0f32; rows * d];
+        let mut wg = CpuBuf::from(vec![0f32; rows * d]);
         let want = cpu.head_grad(&h, &head, &targets, d, vocab, &mut wg).unwrap();
         // identical bf16 inputs; f32 logits summed in another order (as the logprobs test)
         check(&format!("head_grad logprobs rows {rows} vocab {vocab}"), &got.logprobs, &want.logprobs, 0.0, 2e-3);

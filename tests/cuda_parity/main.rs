@@ -33,7 +33,7 @@ mod swiglu;
 
 pub use common::cuda::*;
 pub use common::*;
-pub use infomem_engine::backend::cpu::CpuBackend;
+pub use infomem_engine::backend::cpu::{CpuBackend, CpuBuf};
 pub use infomem_engine::backend::cuda::footprint::TrainMemPlan;
 pub use infomem_engine::backend::cuda::{self, CudaBackend, Dtype};
 pub use infomem_engine::backend::{AdamWStep, AttnGeom, AttnSeq, Backend, DenseSeq, SampleParams, TrainBackend};

@@ -239,33 +239,37 @@ fn half_b_check<D: TrainBackend>(what: &str, c: &mut Model<CpuBackend>, dm: &mut
 
 struct RoundingCpu(CpuBackend);
 
-fn rb(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| bf(v)).collect()
+fn rb(x: &[f32]) -> CpuBuf {
+    x.iter().map(|&v| bf(v)).collect::<Vec<f32>>().into()
 }
 fn round_in_place(x: &mut [f32], n: usize) {
     x[..n].iter_mut().for_each(|v| *v = bf(*v));
 }
 
 impl Backend for RoundingCpu {
-    type Buf = Vec<f32>;
+    type Buf = CpuBuf;
     type Kv = infomem_engine::backend::cpu::attention::CpuKv;
     fn name(&self) -> String {
         "cpu with the CUDA backend's bf16 roundings".into()
     }
-    fn upload(&self, data: &[f32]) -> anyhow::Result<Vec<f32>> {
+    fn upload(&self, data: &[f32]) -> anyhow::Result<CpuBuf> {
         Ok(rb(data))
     }
-    fn zeros(&self, n: usize) -> anyhow::Result<Vec<f32>> {
+    fn upload_weight(&self, data: Vec<f32>, n: usize, k: usize) -> anyhow::Result<CpuBuf> {
+        // a weight is bf16 on the device: rounded as `upload` does, then stored by the CPU backend
+        self.0.upload_weight(data.into_iter().map(bf).collect(), n, k)
+    }
+    fn zeros(&self, n: usize) -> anyhow::Result<CpuBuf> {
         self.0.zeros(n)
     }
-    fn download(&self, buf: &Vec<f32>) -> anyhow::Result<Vec<f32>> {
+    fn download(&self, buf: &CpuBuf) -> anyhow::Result<Vec<f32>> {
         self.0.download(buf)
     }
-    fn write(&self, buf: &mut Vec<f32>, data: &[f32]) -> anyhow::Result<()> {
+    fn write(&self, buf: &mut CpuBuf, data: &[f32]) -> anyhow::Result<()> {
         self.0.write(buf, data)
     }
-    fn len(&self, buf: &Vec<f32>) -> usize {
-        buf.len()
+    fn len(&self, buf: &CpuBuf) -> usize {
+        self.0.len(buf)
     }
     fn kv_new(&self, geom: AttnGeom, max_pages: usize) -> anyhow::Result<Self::Kv> {
         self.0.kv_new(geom, max_pages)
@@ -276,33 +280,33 @@ impl Backend for RoundingCpu {
     fn kv_release_page(&self, kv: &mut Self::Kv, page: u32) {
         self.0.kv_release_page(kv, page)
     }
-    fn gather_rows(&self, x: &Vec<f32>, rows: &[u32], d: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn gather_rows(&self, x: &CpuBuf, rows: &[u32], d: usize, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.gather_rows(x, rows, d, out)
     }
-    fn embed(&self, table: &Vec<f32>, ids: &[u32], d: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn embed(&self, table: &CpuBuf, ids: &[u32], d: usize, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.embed(table, ids, d, out)
     }
-    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, d: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn rmsnorm(&self, x: &CpuBuf, w: &CpuBuf, eps: f32, rows: usize, d: usize, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.rmsnorm(x, w, eps, rows, d, out)?;
         round_in_place(out, rows * d);
         Ok(())
     }
-    fn add_rmsnorm(&self, resid: &mut Vec<f32>, delta: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, d: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn add_rmsnorm(&self, resid: &mut CpuBuf, delta: &CpuBuf, w: &CpuBuf, eps: f32, rows: usize, d: usize, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.add_rmsnorm(resid, delta, w, eps, rows, d, out)?;
         round_in_place(out, rows * d);
         Ok(())
     }
-    fn add(&self, resid: &mut Vec<f32>, delta: &Vec<f32>, n: usize) -> anyhow::Result<()> {
+    fn add(&self, resid: &mut CpuBuf, delta: &CpuBuf, n: usize) -> anyhow::Result<()> {
         self.0.add(resid, delta, n)
     }
-    fn matmul(&self, x: &Vec<f32>, w: &Vec<f32>, bias: Option<&Vec<f32>>, m: usize, k: usize, n: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn matmul(&self, x: &CpuBuf, w: &CpuBuf, bias: Option<&CpuBuf>, m: usize, k: usize, n: usize, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.matmul(&rb(&x[..m * k]), w, bias, m, k, n, out)
     }
-    fn lora(&self, x: &Vec<f32>, a: &Vec<f32>, b: &Vec<f32>, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut Vec<f32>, col0: usize, ld: usize) -> anyhow::Result<()> {
+    fn lora(&self, x: &CpuBuf, a: &CpuBuf, b: &CpuBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut CpuBuf, col0: usize, ld: usize) -> anyhow::Result<()> {
         // out[:, col0..] += scale·bf16(x·Aᵀ)·Bᵀ (the device rounds x·Aᵀ)
-        let mut xa = vec![0f32; m * r];
+        let mut xa = CpuBuf::from(vec![0f32; m * r]);
         self.0.matmul(&rb(&x[..m * k]), a, None, m, k, r, &mut xa)?;
-        let mut d = vec![0f32; m * n_out];
+        let mut d = CpuBuf::from(vec![0f32; m * n_out]);
         self.0.matmul(&rb(&xa), b, None, m, r, n_out, &mut d)?;
         for i in 0..m {
             for o in 0..n_out {
@@ -311,91 +315,91 @@ impl Backend for RoundingCpu {
         }
         Ok(())
     }
-    fn rope(&self, qkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
+    fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
         self.0.rope(qkv, positions, inv_freq, g)
     }
-    fn qk_norm_rope(&self, qkv: &mut Vec<f32>, qn: &Vec<f32>, kn: &Vec<f32>, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
+    fn qk_norm_rope(&self, qkv: &mut CpuBuf, qn: &CpuBuf, kn: &CpuBuf, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
         // the device runs it in f32 on the projections' f32 output and writes f32 (the k part
         // is rounded by kv_store / the attention input, modelled there)
         self.0.qk_norm_rope(qkv, qn, kn, eps, positions, inv_freq, g)
     }
-    fn kv_store(&self, kv: &mut Self::Kv, layer: usize, qkv: &Vec<f32>, slots: &[u32], g: AttnGeom) -> anyhow::Result<()> {
+    fn kv_store(&self, kv: &mut Self::Kv, layer: usize, qkv: &CpuBuf, slots: &[u32], g: AttnGeom) -> anyhow::Result<()> {
         self.0.kv_store(kv, layer, &rb(qkv), slots, g)
     }
-    fn attention(&self, kv: &Self::Kv, layer: usize, qkv: &Vec<f32>, seqs: &[infomem_engine::backend::AttnSeq], g: AttnGeom, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn attention(&self, kv: &Self::Kv, layer: usize, qkv: &CpuBuf, seqs: &[infomem_engine::backend::AttnSeq], g: AttnGeom, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.attention(kv, layer, &rb(qkv), seqs, g, out)?;
         let n = out.len();
         round_in_place(out, n);
         Ok(())
     }
-    fn swiglu(&self, gate_up: &Vec<f32>, m: usize, i: usize, out: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn swiglu(&self, gate_up: &CpuBuf, m: usize, i: usize, out: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.swiglu(gate_up, m, i, out)?;
         round_in_place(out, m * i);
         Ok(())
     }
-    fn logprobs(&self, h: &Vec<f32>, head: &Vec<f32>, targets: &[u32], d: usize, vocab: usize) -> anyhow::Result<Vec<f32>> {
+    fn logprobs(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize) -> anyhow::Result<Vec<f32>> {
         self.0.logprobs(&rb(h), head, targets, d, vocab)
     }
-    fn sample(&self, logits: &Vec<f32>, vocab: usize, params: &[infomem_engine::backend::SampleParams], uniform: &[f64]) -> anyhow::Result<Vec<infomem_engine::backend::Sampled>> {
+    fn sample(&self, logits: &CpuBuf, vocab: usize, params: &[infomem_engine::backend::SampleParams], uniform: &[f64]) -> anyhow::Result<Vec<infomem_engine::backend::Sampled>> {
         self.0.sample(logits, vocab, params, uniform)
     }
 }
 
 impl TrainBackend for RoundingCpu {
-    fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.copy(src, dst)
     }
-    fn lora_merge(&self, w: &mut Vec<f32>, row0: usize, a: &Vec<f32>, b: &Vec<f32>, scale: f32, k: usize, r: usize, n_out: usize) -> anyhow::Result<()> {
+    fn lora_merge(&self, w: &mut CpuBuf, row0: usize, a: &CpuBuf, b: &CpuBuf, scale: f32, k: usize, r: usize, n_out: usize) -> anyhow::Result<()> {
         // the device keeps the merge lazy (exact); its x·Aᵀ rounding is not modelled here
         self.0.lora_merge(w, row0, a, b, scale, k, r, n_out)
     }
-    fn attn_dense(&self, qkv: &Vec<f32>, seqs: &[DenseSeq], g: AttnGeom, out: &mut Vec<f32>, lse: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn attn_dense(&self, qkv: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, out: &mut CpuBuf, lse: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.attn_dense(&rb(qkv), seqs, g, out, lse)?;
         let n = out.len();
         round_in_place(out, n);
         Ok(())
     }
-    fn attn_dense_bwd(&self, qkv: &Vec<f32>, out: &Vec<f32>, dout: &Vec<f32>, lse: &Vec<f32>, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.attn_dense_bwd(&rb(qkv), out, &rb(dout), lse, seqs, g, dqkv)
     }
-    fn rmsnorm_bwd(&self, x: &Vec<f32>, w: &Vec<f32>, dy: &Vec<f32>, eps: f32, rows: usize, d: usize, dx: &mut Vec<f32>, acc: bool) -> anyhow::Result<()> {
+    fn rmsnorm_bwd(&self, x: &CpuBuf, w: &CpuBuf, dy: &CpuBuf, eps: f32, rows: usize, d: usize, dx: &mut CpuBuf, acc: bool) -> anyhow::Result<()> {
         self.0.rmsnorm_bwd(x, w, dy, eps, rows, d, dx, acc)
     }
-    fn rope_bwd(&self, dqkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
+    fn rope_bwd(&self, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
         self.0.rope_bwd(dqkv, positions, inv_freq, g)
     }
-    fn qk_norm_rope_bwd(&self, pre: &Vec<f32>, qn: &Vec<f32>, kn: &Vec<f32>, eps: f32, dqkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
+    fn qk_norm_rope_bwd(&self, pre: &CpuBuf, qn: &CpuBuf, kn: &CpuBuf, eps: f32, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> anyhow::Result<()> {
         // f32 pre (a copy of the f32 projections' output) and f32 gradient on the device
         self.0.qk_norm_rope_bwd(pre, qn, kn, eps, dqkv, positions, inv_freq, g)
     }
-    fn swiglu_bwd(&self, gate_up: &Vec<f32>, dact: &Vec<f32>, m: usize, i: usize, dgu: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn swiglu_bwd(&self, gate_up: &CpuBuf, dact: &CpuBuf, m: usize, i: usize, dgu: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.swiglu_bwd(gate_up, dact, m, i, dgu)
     }
-    fn matmul_dx(&self, dy: &Vec<f32>, w: &Vec<f32>, m: usize, n: usize, k: usize, dx: &mut Vec<f32>, acc: bool) -> anyhow::Result<()> {
+    fn matmul_dx(&self, dy: &CpuBuf, w: &CpuBuf, m: usize, n: usize, k: usize, dx: &mut CpuBuf, acc: bool) -> anyhow::Result<()> {
         self.0.matmul_dx(&rb(&dy[..m * n]), w, m, n, k, dx, acc)
     }
-    fn lora_bwd(&self, x: &Vec<f32>, a: &Vec<f32>, b: &Vec<f32>, scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &Vec<f32>, col0: usize, ld: usize, da: &mut Vec<f32>, db: &mut Vec<f32>, dx: Option<&mut Vec<f32>>) -> anyhow::Result<()> {
+    fn lora_bwd(&self, x: &CpuBuf, a: &CpuBuf, b: &CpuBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &CpuBuf, col0: usize, ld: usize, da: &mut CpuBuf, db: &mut CpuBuf, dx: Option<&mut CpuBuf>) -> anyhow::Result<()> {
         self.0.lora_bwd(&rb(&x[..m * k]), a, b, scale, m, k, r, n_out, &rb(&dy[..m * ld]), col0, ld, da, db, dx)
     }
-    fn head_grad(&self, h: &Vec<f32>, head: &Vec<f32>, targets: &[u32], d: usize, vocab: usize, g: &mut Vec<f32>) -> anyhow::Result<infomem_engine::backend::HeadOut> {
+    fn head_grad(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize, g: &mut CpuBuf) -> anyhow::Result<infomem_engine::backend::HeadOut> {
         self.0.head_grad(&rb(h), head, targets, d, vocab, g)
     }
-    fn scale_rows(&self, x: &mut Vec<f32>, coef: &[f32], d: usize) -> anyhow::Result<()> {
+    fn scale_rows(&self, x: &mut CpuBuf, coef: &[f32], d: usize) -> anyhow::Result<()> {
         self.0.scale_rows(x, coef, d)
     }
-    fn scatter_add_rows(&self, src: &Vec<f32>, rows: &[u32], d: usize, dst: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn scatter_add_rows(&self, src: &CpuBuf, rows: &[u32], d: usize, dst: &mut CpuBuf) -> anyhow::Result<()> {
         self.0.scatter_add_rows(src, rows, d, dst)
     }
-    fn sum_squares(&self, x: &Vec<f32>) -> anyhow::Result<f64> {
+    fn sum_squares(&self, x: &CpuBuf) -> anyhow::Result<f64> {
         self.0.sum_squares(x)
     }
-    fn scale(&self, x: &mut Vec<f32>, s: f32) -> anyhow::Result<()> {
+    fn scale(&self, x: &mut CpuBuf, s: f32) -> anyhow::Result<()> {
         self.0.scale(x, s)
     }
-    fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> anyhow::Result<()> {
+    fn accumulate(&self, acc: &mut CpuBuf, x: &CpuBuf) -> anyhow::Result<()> {
         self.0.accumulate(acc, x)
     }
-    fn adamw(&self, p: &mut Vec<f32>, g: &Vec<f32>, m: &mut Vec<f32>, v: &mut Vec<f32>, h: AdamWStep) -> anyhow::Result<()> {
+    fn adamw(&self, p: &mut CpuBuf, g: &CpuBuf, m: &mut CpuBuf, v: &mut CpuBuf, h: AdamWStep) -> anyhow::Result<()> {
         self.0.adamw(p, g, m, v, h)
     }
 }

@@ -7,14 +7,14 @@ fn rmsnorm_and_residual_add() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(1);
     for &(rows, d) in &[(1usize, 64usize), (37, 896), (5, 2048), (3, 4097)] {
-        let x = randn(&mut rng, rows * d, 3.0);
-        let delta = randn(&mut rng, rows * d, 1.0);
-        let w = randn_bf(&mut rng, d, 1.0);
+        let x = CpuBuf::from(randn(&mut rng, rows * d, 3.0));
+        let delta = CpuBuf::from(randn(&mut rng, rows * d, 1.0));
+        let w = CpuBuf::from(randn_bf(&mut rng, d, 1.0));
         // device: f32 residual and delta (as in the forward pass), bf16 weight
         let (dx, dd, dw) = (be.upload_as(&x, Dtype::F32).unwrap(), be.upload_as(&delta, Dtype::F32).unwrap(), be.upload(&w).unwrap());
         let mut out = be.zeros(rows * d).unwrap();
         be.rmsnorm(&dx, &dw, 1e-6, rows, d, &mut out).unwrap();
-        let mut want = vec![0f32; rows * d];
+        let mut want = CpuBuf::from(vec![0f32; rows * d]);
         cpu.rmsnorm(&x, &w, 1e-6, rows, d, &mut want).unwrap();
         // bf16 output: one rounding (2^-8 rel); f32 sum of squares in another order (~1e-6 rel)
         check("rmsnorm", &be.download(&out).unwrap(), &want, BF16_ROUND, 1e-6);
@@ -38,11 +38,11 @@ fn rmsnorm_backward() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(1);
     for &(rows, d) in &[(1usize, 64usize), (37, 896), (5, 2048), (3, 4097)] {
-        let w = randn_bf(&mut rng, d, 1.0);
-        let dy = randn(&mut rng, rows * d, 1.0);
-        let prior = randn(&mut rng, rows * d, 1.0);
+        let w = CpuBuf::from(randn_bf(&mut rng, d, 1.0));
+        let dy = CpuBuf::from(randn(&mut rng, rows * d, 1.0));
+        let prior = CpuBuf::from(randn(&mut rng, rows * d, 1.0));
         for x_dtype in [Dtype::F32, Dtype::Bf16] {
-            let x: Vec<f32> = randn(&mut rng, rows * d, 3.0).into_iter().map(|v| if x_dtype == Dtype::Bf16 { bf(v) } else { v }).collect();
+            let x = CpuBuf::from(randn(&mut rng, rows * d, 3.0).into_iter().map(|v| if x_dtype == Dtype::Bf16 { bf(v) } else { v }).collect::<Vec<f32>>());
             let (dx_, dw, ddy) = (up(be, &x, x_dtype), be.upload(&w).unwrap(), up(be, &dy, Dtype::F32));
             for accumulate in [false, true] {
                 let mut dd = up(be, &prior, Dtype::F32);

@@ -7,9 +7,9 @@ fn reductions_scale_and_adamw() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(6);
     let (rows, d) = (37, 896);
-    let x = randn(&mut rng, rows * d, 1.0);
+    let x = CpuBuf::from(randn(&mut rng, rows * d, 1.0));
     for n in [1usize, 1000, 3_000_000] {
-        let v = randn(&mut rng, n, 1.0);
+        let v = CpuBuf::from(randn(&mut rng, n, 1.0));
         let got = be.sum_squares(&up(be, &v, Dtype::F32)).unwrap();
         let want = cpu.sum_squares(&v).unwrap();
         // f64 sums of the same f32 squares in another order
@@ -27,12 +27,12 @@ fn reductions_scale_and_adamw() {
     // AdamW: a bf16 parameter (as uploaded) becomes an f32 master with a bf16 shadow; the update
     // follows the CPU twin's f32 operations one for one (no FMA contraction on the device)
     let n = 5000;
-    let p0 = randn_bf(&mut rng, n, 0.05);
+    let p0 = CpuBuf::from(randn_bf(&mut rng, n, 0.05));
     let mut p = be.upload(&p0).unwrap();
     let (mut m, mut v) = (be.zeros(n).unwrap(), be.zeros(n).unwrap());
-    let (mut cp, mut cm, mut cv) = (p0.clone(), vec![0f32; n], vec![0f32; n]);
+    let (mut cp, mut cm, mut cv) = (p0.clone(), CpuBuf::from(vec![0f32; n]), CpuBuf::from(vec![0f32; n]));
     for step in 1..=3u64 {
-        let g = randn(&mut rng, n, 1e-3);
+        let g = CpuBuf::from(randn(&mut rng, n, 1e-3));
         let h = AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step, grad_scale: 0.7 };
         be.adamw(&mut p, &up(be, &g, Dtype::F32), &mut m, &mut v, h).unwrap();
         cpu.adamw(&mut cp, &g, &mut cm, &mut cv, h).unwrap();
@@ -47,11 +47,11 @@ fn reductions_scale_and_adamw() {
     // an update of lr·1e-4 relative survives (it would vanish in bf16)
     assert!(got.iter().zip(&p0).filter(|(a, b)| a != b).count() > n / 2);
     // the shadow is what weight readers see: a matmul through p equals one with bf16(p)
-    let xr = randn_bf(&mut rng, 3 * n, 1.0);
+    let xr = CpuBuf::from(randn_bf(&mut rng, 3 * n, 1.0));
     let mut y = be.zeros(3).unwrap();
     be.matmul(&be.upload(&xr).unwrap(), &p, None, 3, n, 1, &mut y).unwrap();
-    let pb: Vec<f32> = cp.iter().map(|&x| bf(x)).collect();
-    let mut wy = vec![0f32; 3];
+    let pb = CpuBuf::from(cp.iter().map(|&x| bf(x)).collect::<Vec<f32>>());
+    let mut wy = CpuBuf::from(vec![0f32; 3]);
     cpu.matmul(&xr, &pb, None, 3, n, 1, &mut wy).unwrap();
     check("matmul through the shadow", &be.download(&y).unwrap(), &wy, 1e-4, 1e-4);
     // write refreshes master and shadow
@@ -59,7 +59,7 @@ fn reductions_scale_and_adamw() {
     be.write(&mut p, &p1).unwrap();
     assert_eq!(be.download(&p).unwrap(), p1);
     be.matmul(&be.upload(&xr).unwrap(), &p, None, 3, n, 1, &mut y).unwrap();
-    let pb: Vec<f32> = p1.iter().map(|&x| bf(x)).collect();
+    let pb = CpuBuf::from(p1.iter().map(|&x| bf(x)).collect::<Vec<f32>>());
     cpu.matmul(&xr, &pb, None, 3, n, 1, &mut wy).unwrap();
     check("matmul through the rewritten shadow", &be.download(&y).unwrap(), &wy, 1e-4, 1e-4);
 }

@@ -11,7 +11,7 @@ fn rope_on_fused_qkv() {
         let rows = 23;
         let inv: Vec<f32> = (0..hd / 2).map(|i| (1.0 / theta.powf(2.0 * i as f64 / hd as f64)) as f32).collect();
         let pos: Vec<u32> = (0..rows).map(|i| if i % 2 == 0 { i as u32 } else { 30000 + i as u32 * 7 }).collect();
-        let x = randn(&mut rng, rows * g.qkv_dim(), 2.0);
+        let x = CpuBuf::from(randn(&mut rng, rows * g.qkv_dim(), 2.0));
         let mut dq = be.upload_as(&x, Dtype::F32).unwrap();
         be.rope(&mut dq, &pos, &inv, g).unwrap();
         let mut want = x.clone();
@@ -31,7 +31,7 @@ fn rope_backward_inverts_the_rotation() {
         let rows = 23;
         let inv: Vec<f32> = (0..hd / 2).map(|i| (1.0 / theta.powf(2.0 * i as f64 / hd as f64)) as f32).collect();
         let pos: Vec<u32> = (0..rows).map(|i| if i % 2 == 0 { i as u32 } else { 30000 + i as u32 * 7 }).collect();
-        let x = randn(&mut rng, rows * g.qkv_dim(), 2.0);
+        let x = CpuBuf::from(randn(&mut rng, rows * g.qkv_dim(), 2.0));
         let mut dq = up(be, &x, Dtype::F32);
         be.rope_bwd(&mut dq, &pos, &inv, g).unwrap();
         let mut want = x.clone();
@@ -69,8 +69,8 @@ struct QkCase {
     head_scale: Vec<f32>,
     pos: Vec<u32>,
     inv: Vec<f32>,
-    qn: Vec<f32>,
-    kn: Vec<f32>,
+    qn: CpuBuf,
+    kn: CpuBuf,
 }
 
 fn qk_case(rng: &mut Rng, (nh, nkv, hd, theta): (usize, usize, usize, f64), rows: usize) -> QkCase {
@@ -82,7 +82,7 @@ fn qk_case(rng: &mut Rng, (nh, nkv, hd, theta): (usize, usize, usize, f64), rows
     let x: Vec<f32> = randn(rng, rows * g.qkv_dim(), 1.0).iter().enumerate().map(|(i, v)| v * head_scale[(i % g.qkv_dim()) / hd]).collect();
     let qn: Vec<f32> = (0..hd).map(|_| bf(1.0 + 0.5 * rng.normal() as f32)).collect();
     let kn: Vec<f32> = (0..hd).map(|_| bf(0.7 + 0.3 * rng.normal() as f32)).collect();
-    QkCase { g, x, head_scale, pos, inv, qn, kn }
+    QkCase { g, x, head_scale, pos, inv, qn: qn.into(), kn: kn.into() }
 }
 
 fn round_bf(x: &[f32]) -> Vec<f32> {
@@ -121,7 +121,7 @@ fn qk_norm_rope_matches_cpu() {
             let mut dq = up(be, &x, dtype);
             be.qk_norm_rope(&mut dq, &dqn, &dkn, QK_EPS, &c.pos, &c.inv, g).unwrap();
             let got = be.download(&dq).unwrap();
-            let mut want = x.clone();
+            let mut want = CpuBuf::from(x.clone());
             cpu.qk_norm_rope(&mut want, &c.qn, &c.kn, QK_EPS, &c.pos, &c.inv, g).unwrap();
             // f32: the same f32 formula per element ((x·s)·w, then the rotation by the same f32
             // angle); Σx² summed in another order (~1e-6 relative on s), accurate sincosf vs
@@ -163,13 +163,13 @@ fn qk_norm_rope_backward_matches_cpu() {
         // are the kernel's other instantiations
         for (pre_t, grad_t) in [(Dtype::F32, Dtype::F32), (Dtype::Bf16, Dtype::F32), (Dtype::F32, Dtype::Bf16), (Dtype::Bf16, Dtype::Bf16)] {
             let what = format!("qk_norm_rope_bwd {shape:?} pre {pre_t:?} grad {grad_t:?}");
-            let pre = if pre_t == Dtype::Bf16 { round_bf(&c.x) } else { c.x.clone() };
+            let pre = CpuBuf::from(if pre_t == Dtype::Bf16 { round_bf(&c.x) } else { c.x.clone() });
             let gin = if grad_t == Dtype::Bf16 { round_bf(&up_grad) } else { up_grad.clone() };
             let dpre = up(be, &pre, pre_t);
             let mut dg = up(be, &gin, grad_t);
             be.qk_norm_rope_bwd(&dpre, &dqn, &dkn, QK_EPS, &mut dg, &c.pos, &c.inv, g).unwrap();
             let got = be.download(&dg).unwrap();
-            let mut want = gin.clone();
+            let mut want = CpuBuf::from(gin.clone());
             cpu.qk_norm_rope_bwd(&pre, &c.qn, &c.kn, QK_EPS, &mut want, &c.pos, &c.inv, g).unwrap();
             // the same f32 formula per element (inverse rotation, then s·w·dy − c·x); the head
             // sums Σx² and Σw·dy·x in another order (~1e-6 relative), sincosf vs libm, FMA
@@ -232,7 +232,7 @@ fn qk_norm_rope_vjp_check<B: TrainBackend>(be: &B, up32: &dyn Fn(&[f32]) -> B::B
 #[test]
 fn qk_norm_rope_vjp_check_holds_on_cpu() {
     let cpu = CpuBackend::new();
-    qk_norm_rope_vjp_check(&cpu, &|x: &[f32]| x.to_vec(), "cpu");
+    qk_norm_rope_vjp_check(&cpu, &|x: &[f32]| CpuBuf::from(x.to_vec()), "cpu");
 }
 
 #[test]

@@ -25,7 +25,7 @@ fn sampling_matches_cpu_token_for_token() {
         .collect();
     let uniform: Vec<f64> = (0..rows).map(|_| rng.next_f64()).collect();
     for dtype in [Dtype::F32, Dtype::Bf16] {
-        let host: Vec<f32> = if dtype == Dtype::F32 { logits.clone() } else { logits.iter().map(|&x| bf(x)).collect() };
+        let host = CpuBuf::from(if dtype == Dtype::F32 { logits.clone() } else { logits.iter().map(|&x| bf(x)).collect() });
         let dl = be.upload_as(&host, dtype).unwrap();
         let got = be.sample(&dl, vocab, &params, &uniform).unwrap();
         let want = cpu.sample(&host, vocab, &params, &uniform).unwrap();

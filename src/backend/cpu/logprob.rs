@@ -6,6 +6,8 @@
 //! - `head_grad` (training): the vocabulary in tiles with an online softmax that also carries
 //!   `Σ_v exp(l_v − m)·head_v` (rescaled when the running max moves), so `E_p[head]`, the
 //!   log-probability and the entropy come out of one pass of two GEMMs per tile.
+use super::buf::PackedWeight;
+use super::gemm_bf16::{matmul_bf16_with, matmul_dx_bf16_with, Kernel};
 use super::matmul::{gemm_raw, matmul_serial};
 use super::simd::exp_sub_sum_dot;
 use crate::backend::HeadOut;
@@ -18,6 +20,70 @@ const GRAD_VOCAB_TILE: usize = 1024;
 /// At most this many rows per head-backward task.
 const GRAD_ROWS: usize = 256;
 
+/// The head's rows: f32 `[vocab, d]`, or bf16 tiles (`--dtype bf16`). Every method runs on the
+/// calling thread (the passes below parallelize over tiles or rows).
+pub trait HeadRows: Sync {
+    /// `out[rows, vn] = h[rows, d] · head[v0 .. v0 + vn]ᵀ`.
+    fn logits(&self, h: &[f32], rows: usize, d: usize, v0: usize, vn: usize, out: &mut [f32]);
+    /// The same product for `head_grad` (the f32 head uses the GEMM kernel directly there).
+    fn logits_grad(&self, h: &[f32], rows: usize, d: usize, v0: usize, vn: usize, out: &mut [f32]) {
+        self.logits(h, rows, d, v0, vn, out)
+    }
+    /// `acc[rows, d] += p[rows, vn] · head[v0 .. v0 + vn]`.
+    fn acc(&self, p: &[f32], rows: usize, d: usize, v0: usize, vn: usize, acc: &mut [f32]);
+    /// Row `t` of the head.
+    fn row(&self, t: usize, d: usize, out: &mut [f32]);
+}
+
+impl HeadRows for [f32] {
+    fn logits(&self, h: &[f32], rows: usize, d: usize, v0: usize, vn: usize, out: &mut [f32]) {
+        matmul_serial(h, &self[v0 * d..(v0 + vn) * d], rows, d, vn, out);
+    }
+    fn logits_grad(&self, h: &[f32], rows: usize, d: usize, v0: usize, vn: usize, out: &mut [f32]) {
+        let wt = &self[v0 * d..(v0 + vn) * d];
+        // Safety: extents are rows×d, vn×d and rows×vn.
+        unsafe {
+            gemm_raw(rows, vn, d, out.as_mut_ptr(), vn as isize, 1, false, h.as_ptr(), d as isize, 1, wt.as_ptr(), 1, d as isize, 1.0, false);
+        }
+    }
+    fn acc(&self, p: &[f32], rows: usize, d: usize, v0: usize, vn: usize, acc: &mut [f32]) {
+        let wt = &self[v0 * d..(v0 + vn) * d];
+        // Safety: extents are rows×vn, vn×d and rows×d.
+        unsafe {
+            gemm_raw(rows, d, vn, acc.as_mut_ptr(), d as isize, 1, true, p.as_ptr(), vn as isize, 1, wt.as_ptr(), d as isize, 1, 1.0, false);
+        }
+    }
+    fn row(&self, t: usize, d: usize, out: &mut [f32]) {
+        out[..d].copy_from_slice(&self[t * d..(t + 1) * d]);
+    }
+}
+
+impl HeadRows for PackedWeight {
+    fn logits(&self, h: &[f32], rows: usize, d: usize, v0: usize, vn: usize, out: &mut [f32]) {
+        if let Some(t) = self.tile(v0, vn) {
+            matmul_bf16_with(h, t, None, rows, d, vn, out, Kernel::Auto, false);
+            return;
+        }
+        // the range spans several stored tiles: each into its columns of `out`
+        for (r0, t) in self.tiles.iter().filter(|(r0, t)| *r0 < v0 + vn && r0 + t.n() > v0) {
+            assert!(*r0 >= v0 && r0 + t.n() <= v0 + vn, "head tile {r0}+{} straddles the pass's tile {v0}+{vn}", t.n());
+            let tn = t.n();
+            let mut y = vec![0f32; rows * tn];
+            matmul_bf16_with(h, t, None, rows, d, tn, &mut y, Kernel::Auto, false);
+            for r in 0..rows {
+                out[r * vn + r0 - v0..r * vn + r0 - v0 + tn].copy_from_slice(&y[r * tn..(r + 1) * tn]);
+            }
+        }
+    }
+    fn acc(&self, p: &[f32], rows: usize, d: usize, v0: usize, vn: usize, acc: &mut [f32]) {
+        let t = self.tile(v0, vn).expect("the head-gradient tile is a stored bf16 tile (buf::TILE_ROWS)");
+        matmul_dx_bf16_with(p, t, rows, vn, d, acc, true, Kernel::Auto, false);
+    }
+    fn row(&self, t: usize, _d: usize, out: &mut [f32]) {
+        PackedWeight::row(self, t, out);
+    }
+}
+
 /// Per-row statistics of one vocabulary tile.
 struct TileStats {
     max: Vec<f32>,
@@ -25,7 +91,7 @@ struct TileStats {
 }
 
 /// `logprob[r] = log softmax(h[r] · headᵀ)[targets[r]]`.
-pub fn logprobs(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize) -> Vec<f32> {
+pub fn logprobs<H: HeadRows + ?Sized>(h: &[f32], head: &H, targets: &[u32], d: usize, vocab: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(targets.len());
     for (hb, tb) in h.chunks(ROW_BLOCK * d).zip(targets.chunks(ROW_BLOCK)) {
         out.extend(block(hb, head, tb, d, vocab));
@@ -33,7 +99,7 @@ pub fn logprobs(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize
     out
 }
 
-fn block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize) -> Vec<f32> {
+fn block<H: HeadRows + ?Sized>(h: &[f32], head: &H, targets: &[u32], d: usize, vocab: usize) -> Vec<f32> {
     let rows = targets.len();
     let n_tiles = vocab.div_ceil(VOCAB_TILE);
     let parts: Vec<(TileStats, Vec<(usize, f32)>)> = (0..n_tiles)
@@ -42,7 +108,7 @@ fn block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize) -> Ve
             let v0 = t * VOCAB_TILE;
             let vn = VOCAB_TILE.min(vocab - v0);
             let mut logits = vec![0f32; rows * vn];
-            matmul_serial(h, &head[v0 * d..(v0 + vn) * d], rows, d, vn, &mut logits);
+            head.logits(h, rows, d, v0, vn, &mut logits);
             let mut st = TileStats { max: vec![0.0; rows], sum: vec![0.0; rows] };
             let mut picked = Vec::new();
             for r in 0..rows {
@@ -74,7 +140,7 @@ fn block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize) -> Ve
 }
 
 /// See `TrainBackend::head_grad`.
-pub fn head_grad(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize, g: &mut [f32]) -> HeadOut {
+pub fn head_grad<H: HeadRows + ?Sized>(h: &[f32], head: &H, targets: &[u32], d: usize, vocab: usize, g: &mut [f32]) -> HeadOut {
     let rows = targets.len();
     let mut out = HeadOut { logprobs: vec![0.0; rows], entropy: vec![0.0; rows] };
     if rows == 0 {
@@ -91,7 +157,7 @@ pub fn head_grad(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usiz
 }
 
 #[allow(clippy::too_many_arguments)]
-fn head_block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize, acc: &mut [f32], logp: &mut [f32], ent: &mut [f32]) {
+fn head_block<H: HeadRows + ?Sized>(h: &[f32], head: &H, targets: &[u32], d: usize, vocab: usize, acc: &mut [f32], logp: &mut [f32], ent: &mut [f32]) {
     let rows = targets.len();
     let mut m = vec![f32::NEG_INFINITY; rows];
     let mut s = vec![0f32; rows];
@@ -103,11 +169,7 @@ fn head_block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize, 
     while v0 < vocab {
         let vn = GRAD_VOCAB_TILE.min(vocab - v0);
         let lg = &mut logits[..rows * vn];
-        let wt = &head[v0 * d..(v0 + vn) * d];
-        // Safety: extents are rows×d, vn×d and rows×vn.
-        unsafe {
-            gemm_raw(rows, vn, d, lg.as_mut_ptr(), vn as isize, 1, false, h.as_ptr(), d as isize, 1, wt.as_ptr(), 1, d as isize, 1.0, false);
-        }
+        head.logits_grad(h, rows, d, v0, vn, lg);
         for r in 0..rows {
             let row = &mut lg[r * vn..(r + 1) * vn];
             let t = targets[r] as usize;
@@ -127,19 +189,17 @@ fn head_block(h: &[f32], head: &[f32], targets: &[u32], d: usize, vocab: usize, 
             el[r] += pl;
         }
         // acc += P · W_tile
-        unsafe {
-            gemm_raw(rows, d, vn, acc.as_mut_ptr(), d as isize, 1, true, lg.as_ptr(), vn as isize, 1, wt.as_ptr(), d as isize, 1, 1.0, false);
-        }
+        head.acc(lg, rows, d, v0, vn, acc);
         v0 += vn;
     }
+    let mut wt = vec![0f32; d];
     for r in 0..rows {
         let lse = m[r] + s[r].ln();
         logp[r] = tl[r] - lse;
         ent[r] = lse - el[r] / s[r];
         let inv = 1.0 / s[r];
-        let t = targets[r] as usize;
-        let wt = &head[t * d..(t + 1) * d];
-        for (a, &w) in acc[r * d..(r + 1) * d].iter_mut().zip(wt) {
+        head.row(targets[r] as usize, d, &mut wt);
+        for (a, &w) in acc[r * d..(r + 1) * d].iter_mut().zip(&wt) {
             *a = *a * inv - w;
         }
     }
@@ -155,7 +215,7 @@ mod tests {
         let h: Vec<f32> = (0..rows * d).map(|_| rng.normal() as f32).collect();
         let w: Vec<f32> = (0..vocab * d).map(|_| rng.normal() as f32).collect();
         let targets = [0u32, 4999, 2048];
-        let lp = logprobs(&h, &w, &targets, d, vocab);
+        let lp = logprobs(&h, w.as_slice(), &targets, d, vocab);
         for r in 0..rows {
             let logits: Vec<f64> = (0..vocab)
                 .map(|v| (0..d).map(|k| h[r * d + k] as f64 * w[v * d + k] as f64).sum())

@@ -4,8 +4,10 @@
 //! trait methods to them.
 pub mod attention;
 pub mod attention_dense;
+pub mod buf;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm512;
+pub mod gemm_bf16;
 pub mod logprob;
 pub mod matmul;
 pub mod memory;
@@ -19,20 +21,39 @@ pub mod swiglu;
 use super::{AdamWStep, AttnGeom, AttnSeq, Backend, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
 use anyhow::{ensure, Result};
 use attention::CpuKv;
+pub use buf::CpuBuf;
+use buf::PackedWeight;
 
 /// Rows per rayon task for cheap row-wise ops (keeps task overhead well below the work; the
 /// split does not change any result: rows are independent).
 pub(crate) const ROWS_PER_TASK: usize = 64;
 
+/// How the CPU stores frozen weight matrices (`--dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    /// f32, as loaded.
+    F32,
+    /// bf16 (rounded once at load), products with f32 accumulation (`gemm_bf16`).
+    Bf16,
+}
+
 #[derive(Clone, Debug)]
 pub struct CpuBackend {
     threads: usize,
+    weights: WeightDtype,
 }
 
 impl CpuBackend {
-    /// Uses rayon's global pool (sized by `init_threads` or `RAYON_NUM_THREADS`).
+    /// Uses rayon's global pool (sized by `init_threads` or `RAYON_NUM_THREADS`); f32 weights.
     pub fn new() -> Self {
-        CpuBackend { threads: rayon::current_num_threads() }
+        Self::with_weights(WeightDtype::F32)
+    }
+    /// Weight matrices stored as `weights` (everything else is f32 either way).
+    pub fn with_weights(weights: WeightDtype) -> Self {
+        CpuBackend { threads: rayon::current_num_threads(), weights }
+    }
+    pub fn weight_dtype(&self) -> WeightDtype {
+        self.weights
     }
     pub fn threads(&self) -> usize {
         self.threads
@@ -80,32 +101,46 @@ pub fn init_threads(n: usize) {
 }
 
 impl Backend for CpuBackend {
-    type Buf = Vec<f32>;
+    type Buf = CpuBuf;
     type Kv = CpuKv;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads, f32)", self.threads)
+        match self.weights {
+            WeightDtype::F32 => format!("cpu ({} threads, f32)", self.threads),
+            WeightDtype::Bf16 => format!("cpu ({} threads, bf16 weights{})", self.threads, if gemm_bf16::native_available() { "" } else { ", portable kernel: no AVX512_BF16" }),
+        }
     }
 
-    fn upload(&self, data: &[f32]) -> Result<Vec<f32>> {
-        Ok(data.to_vec())
+    fn upload(&self, data: &[f32]) -> Result<CpuBuf> {
+        Ok(data.to_vec().into())
     }
-    fn upload_vec(&self, data: Vec<f32>) -> Result<Vec<f32>> {
-        Ok(huge_page_copy(data))
+    fn upload_vec(&self, data: Vec<f32>) -> Result<CpuBuf> {
+        Ok(huge_page_copy(data).into())
     }
-    fn zeros(&self, n: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; n])
+    fn upload_weight(&self, data: Vec<f32>, n: usize, k: usize) -> Result<CpuBuf> {
+        ensure!(data.len() == n * k, "upload_weight: {} values for [{n}, {k}]", data.len());
+        match self.weights {
+            WeightDtype::F32 => self.upload_vec(data),
+            WeightDtype::Bf16 => Ok(CpuBuf::packed(PackedWeight::from_f32(&data, n, k))),
+        }
     }
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(buf.clone())
+    fn zeros(&self, n: usize) -> Result<CpuBuf> {
+        Ok(vec![0.0; n].into())
     }
-    fn write(&self, buf: &mut Vec<f32>, data: &[f32]) -> Result<()> {
+    fn download(&self, buf: &CpuBuf) -> Result<Vec<f32>> {
+        Ok(match buf.bf16() {
+            Some(w) => w.to_f32(),
+            None => buf.to_vec(),
+        })
+    }
+    fn write(&self, buf: &mut CpuBuf, data: &[f32]) -> Result<()> {
+        ensure!(buf.bf16().is_none(), "write: a bf16 weight is frozen");
         ensure!(buf.len() == data.len(), "write: length {} into buffer of {}", data.len(), buf.len());
         buf.copy_from_slice(data);
         Ok(())
     }
-    fn len(&self, buf: &Vec<f32>) -> usize {
-        buf.len()
+    fn len(&self, buf: &CpuBuf) -> usize {
+        buf.elems()
     }
 
     fn kv_new(&self, geom: AttnGeom, max_pages: usize) -> Result<CpuKv> {
@@ -119,61 +154,76 @@ impl Backend for CpuBackend {
         kv.release(page);
     }
 
-    fn gather_rows(&self, x: &Vec<f32>, rows: &[u32], d: usize, out: &mut Vec<f32>) -> Result<()> {
+    fn gather_rows(&self, x: &CpuBuf, rows: &[u32], d: usize, out: &mut CpuBuf) -> Result<()> {
         memory::gather_rows(x, rows, d, out);
         Ok(())
     }
-    fn embed(&self, table: &Vec<f32>, ids: &[u32], d: usize, out: &mut Vec<f32>) -> Result<()> {
-        memory::embed(table, ids, d, out);
+    fn embed(&self, table: &CpuBuf, ids: &[u32], d: usize, out: &mut CpuBuf) -> Result<()> {
+        match table.bf16() {
+            Some(w) => {
+                use rayon::prelude::*;
+                out[..ids.len() * d].par_chunks_mut(d).zip(ids).for_each(|(o, &t)| w.row(t as usize, o));
+            }
+            None => memory::embed(table, ids, d, out),
+        }
         Ok(())
     }
-    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, d: usize, out: &mut Vec<f32>) -> Result<()> {
+    fn rmsnorm(&self, x: &CpuBuf, w: &CpuBuf, eps: f32, rows: usize, d: usize, out: &mut CpuBuf) -> Result<()> {
         norm::rmsnorm(x, w, eps, rows, d, out);
         Ok(())
     }
-    fn add_rmsnorm(&self, resid: &mut Vec<f32>, delta: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, d: usize, out: &mut Vec<f32>) -> Result<()> {
+    fn add_rmsnorm(&self, resid: &mut CpuBuf, delta: &CpuBuf, w: &CpuBuf, eps: f32, rows: usize, d: usize, out: &mut CpuBuf) -> Result<()> {
         norm::add_rmsnorm(resid, delta, w, eps, rows, d, out);
         Ok(())
     }
-    fn add(&self, resid: &mut Vec<f32>, delta: &Vec<f32>, n: usize) -> Result<()> {
+    fn add(&self, resid: &mut CpuBuf, delta: &CpuBuf, n: usize) -> Result<()> {
         norm::add(&mut resid[..n], &delta[..n]);
         Ok(())
     }
-    fn matmul(&self, x: &Vec<f32>, w: &Vec<f32>, bias: Option<&Vec<f32>>, m: usize, k: usize, n: usize, out: &mut Vec<f32>) -> Result<()> {
-        matmul::matmul(x, w, bias.map(|b| b.as_slice()), m, k, n, out);
+    fn matmul(&self, x: &CpuBuf, w: &CpuBuf, bias: Option<&CpuBuf>, m: usize, k: usize, n: usize, out: &mut CpuBuf) -> Result<()> {
+        match w.bf16() {
+            Some(pw) => {
+                ensure!(pw.n == n && pw.k == k, "matmul: bf16 weight [{}, {}] for a [{n}, {k}] product", pw.n, pw.k);
+                pw.matmul(x, bias.map(|b| b.as_slice()), m, out);
+            }
+            None => matmul::matmul(x, w, bias.map(|b| b.as_slice()), m, k, n, out),
+        }
         Ok(())
     }
-    fn lora(&self, x: &Vec<f32>, a: &Vec<f32>, b: &Vec<f32>, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut Vec<f32>, col0: usize, ld: usize) -> Result<()> {
+    fn lora(&self, x: &CpuBuf, a: &CpuBuf, b: &CpuBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut CpuBuf, col0: usize, ld: usize) -> Result<()> {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
         matmul::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld);
         Ok(())
     }
-    fn rope(&self, qkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         rope::rope_qkv(qkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, 1.0);
         Ok(())
     }
-    fn qk_norm_rope(&self, qkv: &mut Vec<f32>, q_norm: &Vec<f32>, k_norm: &Vec<f32>, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    fn qk_norm_rope(&self, qkv: &mut CpuBuf, q_norm: &CpuBuf, k_norm: &CpuBuf, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
         ensure!(qkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope: qkv too small");
         rope::qk_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, g);
         Ok(())
     }
-    fn kv_store(&self, kv: &mut CpuKv, layer: usize, qkv: &Vec<f32>, slots: &[u32], _g: AttnGeom) -> Result<()> {
+    fn kv_store(&self, kv: &mut CpuKv, layer: usize, qkv: &CpuBuf, slots: &[u32], _g: AttnGeom) -> Result<()> {
         kv.store(layer, qkv, slots);
         Ok(())
     }
-    fn attention(&self, kv: &CpuKv, layer: usize, qkv: &Vec<f32>, seqs: &[AttnSeq], _g: AttnGeom, out: &mut Vec<f32>) -> Result<()> {
+    fn attention(&self, kv: &CpuKv, layer: usize, qkv: &CpuBuf, seqs: &[AttnSeq], _g: AttnGeom, out: &mut CpuBuf) -> Result<()> {
         attention::attention(kv, layer, qkv, seqs, out);
         Ok(())
     }
-    fn swiglu(&self, gate_up: &Vec<f32>, m: usize, i: usize, out: &mut Vec<f32>) -> Result<()> {
+    fn swiglu(&self, gate_up: &CpuBuf, m: usize, i: usize, out: &mut CpuBuf) -> Result<()> {
         swiglu::swiglu(gate_up, m, i, out);
         Ok(())
     }
-    fn logprobs(&self, h: &Vec<f32>, head: &Vec<f32>, targets: &[u32], d: usize, vocab: usize) -> Result<Vec<f32>> {
-        Ok(logprob::logprobs(&h[..targets.len() * d], head, targets, d, vocab))
+    fn logprobs(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize) -> Result<Vec<f32>> {
+        Ok(match head.bf16() {
+            Some(w) => logprob::logprobs(&h[..targets.len() * d], w, targets, d, vocab),
+            None => logprob::logprobs(&h[..targets.len() * d], head.as_slice(), targets, d, vocab),
+        })
     }
-    fn sample(&self, logits: &Vec<f32>, vocab: usize, params: &[SampleParams], uniform: &[f64]) -> Result<Vec<Sampled>> {
+    fn sample(&self, logits: &CpuBuf, vocab: usize, params: &[SampleParams], uniform: &[f64]) -> Result<Vec<Sampled>> {
         use rayon::prelude::*;
         Ok(params
             .par_iter()
@@ -184,9 +234,14 @@ impl Backend for CpuBackend {
 }
 
 impl TrainBackend for CpuBackend {
-    fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> Result<()> {
-        ensure!(src.len() == dst.len(), "copy: {} elements into a buffer of {}", src.len(), dst.len());
-        dst.copy_from_slice(src);
+    fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
+        ensure!(src.elems() == dst.elems() && dst.bf16().is_none(), "copy: {} elements into a buffer of {}", src.elems(), dst.elems());
+        match src.bf16() {
+            // a bf16 weight into f32 scratch: the training passes merge LoRA into it in f32 (the
+            // CUDA backend's lazy merge computes the same W_bf16 + scale·B·A)
+            Some(w) => dst.copy_from_slice(&w.to_f32()),
+            None => dst.copy_from_slice(src),
+        }
         Ok(())
     }
 
@@ -205,92 +260,102 @@ impl TrainBackend for CpuBackend {
             .unwrap_or(0);
         Ok((avail_kb * 1024 / 3).min(8 << 30))
     }
-    fn lora_merge(&self, w: &mut Vec<f32>, row0: usize, a: &Vec<f32>, b: &Vec<f32>, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()> {
+    fn lora_merge(&self, w: &mut CpuBuf, row0: usize, a: &CpuBuf, b: &CpuBuf, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()> {
+        ensure!(w.bf16().is_none(), "lora_merge: merge into an f32 copy of a bf16 weight (copy), not into the weight");
         ensure!(w.len() >= (row0 + n_out) * k && a.len() >= r * k && b.len() >= n_out * r, "lora_merge: buffers too small");
         matmul::lora_merge(w, row0, a, b, scale, k, r, n_out);
         Ok(())
     }
-    fn attn_dense(&self, qkv: &Vec<f32>, seqs: &[DenseSeq], g: AttnGeom, out: &mut Vec<f32>, lse: &mut Vec<f32>) -> Result<()> {
+    fn attn_dense(&self, qkv: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
         attention_dense::attn_dense(qkv, seqs, g, out, lse);
         Ok(())
     }
-    fn attn_dense_bwd(&self, qkv: &Vec<f32>, out: &Vec<f32>, dout: &Vec<f32>, lse: &Vec<f32>, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut Vec<f32>) -> Result<()> {
+    fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
         attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv);
         Ok(())
     }
-    fn rmsnorm_bwd(&self, x: &Vec<f32>, w: &Vec<f32>, dy: &Vec<f32>, eps: f32, rows: usize, d: usize, dx: &mut Vec<f32>, accumulate: bool) -> Result<()> {
+    fn rmsnorm_bwd(&self, x: &CpuBuf, w: &CpuBuf, dy: &CpuBuf, eps: f32, rows: usize, d: usize, dx: &mut CpuBuf, accumulate: bool) -> Result<()> {
         norm::rmsnorm_bwd(x, w, dy, eps, rows, d, dx, accumulate);
         Ok(())
     }
-    fn rope_bwd(&self, dqkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    fn rope_bwd(&self, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         rope::rope_qkv(dqkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, -1.0);
         Ok(())
     }
-    fn qk_norm_rope_bwd(&self, pre: &Vec<f32>, q_norm: &Vec<f32>, k_norm: &Vec<f32>, eps: f32, dqkv: &mut Vec<f32>, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    fn qk_norm_rope_bwd(&self, pre: &CpuBuf, q_norm: &CpuBuf, k_norm: &CpuBuf, eps: f32, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope_bwd: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
         ensure!(pre.len() >= positions.len() * g.qkv_dim() && dqkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope_bwd: buffers too small");
         rope::qk_norm_rope_bwd(pre, q_norm, k_norm, eps, dqkv, positions, inv_freq, g);
         Ok(())
     }
-    fn swiglu_bwd(&self, gate_up: &Vec<f32>, dact: &Vec<f32>, m: usize, i: usize, dgate_up: &mut Vec<f32>) -> Result<()> {
+    fn swiglu_bwd(&self, gate_up: &CpuBuf, dact: &CpuBuf, m: usize, i: usize, dgate_up: &mut CpuBuf) -> Result<()> {
         swiglu::swiglu_bwd(gate_up, dact, m, i, dgate_up);
         Ok(())
     }
-    fn matmul_dx(&self, dy: &Vec<f32>, w: &Vec<f32>, m: usize, n: usize, k: usize, dx: &mut Vec<f32>, accumulate: bool) -> Result<()> {
-        matmul::matmul_dx(dy, w, m, n, k, dx, accumulate);
+    fn matmul_dx(&self, dy: &CpuBuf, w: &CpuBuf, m: usize, n: usize, k: usize, dx: &mut CpuBuf, accumulate: bool) -> Result<()> {
+        match w.bf16() {
+            Some(pw) => {
+                ensure!(pw.n == n && pw.k == k, "matmul_dx: bf16 weight [{}, {}] for [{n}, {k}]", pw.n, pw.k);
+                pw.matmul_dx(dy, m, dx, accumulate);
+            }
+            None => matmul::matmul_dx(dy, w, m, n, k, dx, accumulate),
+        }
         Ok(())
     }
     fn lora_bwd(
         &self,
-        x: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
+        x: &CpuBuf,
+        a: &CpuBuf,
+        b: &CpuBuf,
         scale: f32,
         m: usize,
         k: usize,
         r: usize,
         n_out: usize,
-        dy: &Vec<f32>,
+        dy: &CpuBuf,
         col0: usize,
         ld: usize,
-        da: &mut Vec<f32>,
-        db: &mut Vec<f32>,
-        dx: Option<&mut Vec<f32>>,
+        da: &mut CpuBuf,
+        db: &mut CpuBuf,
+        dx: Option<&mut CpuBuf>,
     ) -> Result<()> {
         ensure!(col0 + n_out <= ld && dy.len() >= m * ld, "lora_bwd: column slice {col0}+{n_out} outside rows of {ld}");
         ensure!(da.len() == r * k && db.len() == n_out * r, "lora_bwd: gradient buffers do not match A [{r}, {k}], B [{n_out}, {r}]");
         matmul::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()));
         Ok(())
     }
-    fn head_grad(&self, h: &Vec<f32>, head: &Vec<f32>, targets: &[u32], d: usize, vocab: usize, g: &mut Vec<f32>) -> Result<HeadOut> {
+    fn head_grad(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize, g: &mut CpuBuf) -> Result<HeadOut> {
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
             anyhow::bail!("head_grad: target id {t} is outside the vocabulary (size {vocab})");
         }
-        Ok(logprob::head_grad(h, head, targets, d, vocab, g))
+        Ok(match head.bf16() {
+            Some(w) => logprob::head_grad(h, w, targets, d, vocab, g),
+            None => logprob::head_grad(h, head.as_slice(), targets, d, vocab, g),
+        })
     }
-    fn scale_rows(&self, x: &mut Vec<f32>, coef: &[f32], d: usize) -> Result<()> {
+    fn scale_rows(&self, x: &mut CpuBuf, coef: &[f32], d: usize) -> Result<()> {
         memory::scale_rows(x, coef, d);
         Ok(())
     }
-    fn scatter_add_rows(&self, src: &Vec<f32>, rows: &[u32], d: usize, dst: &mut Vec<f32>) -> Result<()> {
+    fn scatter_add_rows(&self, src: &CpuBuf, rows: &[u32], d: usize, dst: &mut CpuBuf) -> Result<()> {
         memory::scatter_add_rows(src, rows, d, dst);
         Ok(())
     }
-    fn sum_squares(&self, x: &Vec<f32>) -> Result<f64> {
+    fn sum_squares(&self, x: &CpuBuf) -> Result<f64> {
         Ok(optim::sum_squares(x))
     }
-    fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<()> {
+    fn scale(&self, x: &mut CpuBuf, s: f32) -> Result<()> {
         optim::scale(x, s);
         Ok(())
     }
-    fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
+    fn accumulate(&self, acc: &mut CpuBuf, x: &CpuBuf) -> Result<()> {
         ensure!(acc.len() == x.len(), "accumulate: {} elements into {}", x.len(), acc.len());
         norm::add(acc, x);
         Ok(())
     }
-    fn adamw(&self, p: &mut Vec<f32>, g: &Vec<f32>, m: &mut Vec<f32>, v: &mut Vec<f32>, h: AdamWStep) -> Result<()> {
+    fn adamw(&self, p: &mut CpuBuf, g: &CpuBuf, m: &mut CpuBuf, v: &mut CpuBuf, h: AdamWStep) -> Result<()> {
         ensure!(p.len() == g.len() && p.len() == m.len() && p.len() == v.len(), "adamw: buffers of different lengths");
         optim::adamw(p, g, m, v, h);
         Ok(())

@@ -23,6 +23,15 @@ pub fn has_avx512f() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
 }
 
+/// Whether the CPU has AVX512_BF16 (with AVX-512F/BW) (asked once): the bf16 GEMM's `vdpbf16ps`
+/// microkernel (`gemm_bf16`) needs it.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512bf16() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16"))
+}
+
 /// Define a slice kernel whose body is compiled twice, for the baseline target and with AVX2+FMA
 /// enabled (picked at run time), so its loops vectorize 8 wide even in a build for an older
 /// baseline. For loops without `exp` (the compiler vectorizes those itself); loops with `exp`

@@ -314,7 +314,7 @@ fn combine(g: &AttnGeom, plan: &AttnPlan, e: [i32; 2], part_o: &Gmem, part_ml: &
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::CpuBackend;
+    use crate::backend::cpu::{CpuBackend, CpuBuf};
     use crate::backend::Backend;
     use crate::util::rng::Rng;
 
@@ -409,12 +409,12 @@ mod tests {
         /// Store positions `from..to` of a sequence whose page table is `pages`.
         fn write(&mut self, pages: &[u32], from: usize, to: usize) {
             let (g, ps, width) = (self.g, self.g.page_size, self.g.qkv_dim());
-            let qkv: Vec<f32> = (0..(to - from) * width).map(|_| bf(self.rng.normal() as f32)).collect();
+            let qkv: CpuBuf = (0..(to - from) * width).map(|_| bf(self.rng.normal() as f32)).collect::<Vec<f32>>().into();
             let slots: Vec<u32> = (from..to).map(|p| pages[p / ps] * ps as u32 + (p % ps) as u32).collect();
             self.be.kv_store(&mut self.kv, self.layer, &qkv, &slots, g).unwrap();
             kv_store(&mut self.pool, &g, self.layer, &qkv, &slots);
             let v0 = g.q_dim() + g.kv_dim();
-            let abs: Vec<f32> = qkv.iter().enumerate().map(|(i, &x)| if i % width >= v0 { x.abs() } else { x }).collect();
+            let abs: CpuBuf = qkv.iter().enumerate().map(|(i, &x)| if i % width >= v0 { x.abs() } else { x }).collect::<Vec<f32>>().into();
             self.be.kv_store(&mut self.kv_abs, self.layer, &abs, &slots, g).unwrap();
         }
 
@@ -431,10 +431,10 @@ mod tests {
             let (g, q_dim, width) = (self.g, self.g.q_dim(), self.g.qkv_dim());
             let rows = seqs.iter().map(|s| s.q_row + s.n_q).max().unwrap();
             let qkv: Vec<f32> = (0..rows * width).map(|_| self.rng.normal() as f32 * 2.0).collect();
-            let qkv16: Vec<f32> = qkv.iter().map(|&x| bf(x)).collect();
-            let mut want = vec![0f32; rows * q_dim];
+            let qkv16: CpuBuf = qkv.iter().map(|&x| bf(x)).collect::<Vec<f32>>().into();
+            let mut want = CpuBuf::from(vec![0f32; rows * q_dim]);
             self.be.attention(&self.kv, self.layer, &qkv16, seqs, g, &mut want).unwrap();
-            let mut want_abs = vec![0f32; rows * q_dim];
+            let mut want_abs = CpuBuf::from(vec![0f32; rows * q_dim]);
             self.be.attention(&self.kv_abs, self.layer, &qkv16, seqs, g, &mut want_abs).unwrap();
             for (name, p) in plans {
                 let mut first: Option<Vec<f32>> = None;

@@ -1,0 +1,1249 @@
+//! bf16 weights on the CPU: `out = x Wᵀ (+ bias)` and `dx (+)= dy W` with W stored once in bf16
+//! (rounded to nearest-even from f32 at load: `half::bf16::from_f32`'s bits), activations f32,
+//! rounded to bf16 on the fly, products accumulated in f32 by `vdpbf16ps` (AVX512_BF16).
+//!
+//! Why: on this 2-core Zen 5 the register-resident `vdpbf16ps` peak is 576 GFLOP/s per core,
+//! twice the f32 FMA peak (288), and decode streams half the weight bytes. Measured (best of
+//! repeated runs; the machine was shared, see `cargo bench --bench kernels -- bf16`): 4096-row
+//! products on SmolLM2-135M's shapes run at 890–1000 GFLOP/s on 2 threads (f32: 450–500), `dy W`
+//! at 780–990; decode streams 35–41 GiB/s of weights per core (the streaming-read bandwidth is
+//! 37–40 GiB/s per core, ~75 on both), so a decode product takes 40–50 % of the f32 time.
+//!
+//! **Layout** (`PackedBf16`, made once at load). W is `[n, k]` row-major (HF: `y = x Wᵀ`). Its
+//! rows (the output columns) are cut into panels of NR = 32 and k into pairs (k odd: the last
+//! pair's second element is a zero pad). The word for (pair q, column j) holds `W[j][2q]` in its
+//! low and `W[j][2q+1]` in its high half: what one f32 lane of `vdpbf16ps` multiplies with a
+//! broadcast pair of x. k is cut into blocks (`k_block_pairs`, a function of k only) and storage
+//! is block-major: `[block][panel][pair of the block][32 columns]`, so one k block of a run of
+//! panels is one contiguous stretch (decode streams it front to back); 64-byte aligned, on 2 MiB
+//! pages when large. 2·n·k bytes plus padding: no second copy (see `dy · W`).
+//!
+//! **Kernel** (BLIS with B packed at load). x is converted to bf16 pairs once per call (in row
+//! batches of ≤ 16 MiB, rayon over rows; converting per strip and k block instead cost ~13 % of
+//! the time, x being re-read for every run of panels). A task owns a run of panels (its k block
+//! ≤ 512 KiB, kept in L2) and a range of rows; per k block it sweeps strips of MR = 12 rows over
+//! its panels: per pair 2 weight vectors, and per row a 32-bit broadcast and 2 `vdpbf16ps` (12 × 2
+//! accumulators + 2 + 1 of the 32 zmm registers; latency ~6 cycles at 2 per cycle needs ≥ 12
+//! independent accumulators). Short strips (decode, m ≤ 4) take 2 or 4 panels per call to keep
+//! 8–16 accumulators busy, and a task's first strip prefetches its panels 4 KiB ahead when it
+//! reads one or two panel streams. Every weight byte is read from memory once per call. Tasks
+//! (runs of panels × row ranges, ~4 per thread) go to rayon; decode (one strip) splits columns.
+//!
+//! **`dy · W`** needs pairs along n instead. A second packed copy would double the weight memory,
+//! so each task repacks, per k block of this product (pairs of W's rows), its run of output
+//! panels from the forward layout into the same panel format (a shuffle of bf16 words, no
+//! rounding: ≤ 512 KiB of thread-local scratch, O(n·k) per call against O(m·n·k) products) and
+//! runs the same kernel. Small m pays the repack on each call (the backward has many rows).
+//!
+//! **Determinism.** Every output element has its own f32 accumulator lane and is computed by the
+//! same sequence of operations whatever m, its row's position, the thread count, the task split
+//! and the microkernel shape (rows per strip and panels per call only choose which register
+//! holds it). Per k block, from +0: for each pair in order `acc ← acc + x₂q₊₁·w₂q₊₁`, then
+//! `acc ← acc + x₂q·w₂q` (fused multiply-adds rounded to nearest even, bf16 denormals read as
+//! zero, denormal results flushed to signed zero: `vdpbf16ps` as the Intel SDM specifies it,
+//! checked on this CPU, see `denormals_flush_like_vdpbf16ps`). Block sums are added to the output
+//! in block order (the first block stores, or with `accumulate` adds to dx), then the bias. The
+//! block size depends only on the reduction length. So there is one summation order for every
+//! m (no small-m kernel with another), and a batch equals its rows one by one bit for bit
+//! (`rows_are_batch_invariant`, 1–3 threads, both kernels).
+//!
+//! **Portable path** (no AVX512_BF16, `Kernel::Portable`, or `INFOMEM_BF16_PORTABLE=1`): the
+//! same driver and packed data; each pair row of a panel is widened to f32 (denormals to zero)
+//! and the same two FMAs per pair run in f32 lanes, the flush as a compare-and-select. One case
+//! needs more: `vdpbf16ps` calls a result denormal after rounding it to 24 bits with an unbounded
+//! exponent, so an exact sum in (2⁻¹²⁶ − 2⁻¹⁵⁰, 2⁻¹²⁶ − 2⁻¹⁵¹] is flushed though an f32 FMA rounds
+//! it up to 2⁻¹²⁶ (measured). When a lane's FMA gives exactly ±2⁻¹²⁶, the panel is redone with an
+//! exact step in f64: the bf16 product is exact there, and either the sum is exact too (≤ 53
+//! significant bits) or the smaller operand is under 2⁻²⁸ of the larger, an f32 value that both
+//! the exact and the f64 sum then round to. The results are the native bits (checked on random
+//! data, tiny data, random bit patterns), NaN payloads aside (which NaN propagates is not
+//! reproduced; where NaNs appear is). ~20× slower than `vdpbf16ps` (22–50 GFLOP/s here): a
+//! correctness path; without AVX512_BF16 the f32 weights are faster.
+use super::matmul::SendPtr;
+use half::bf16;
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Output columns per packed panel: two 16-lane f32 accumulators per row.
+pub const NR: usize = 32;
+/// Rows per microkernel strip.
+pub const MR: usize = 12;
+/// Reductions of up to this many pairs are one k block (a 12-row strip is then ≤ 15 KiB).
+const KC_ONE: usize = 320;
+/// Longer reductions are cut into equal blocks of at most this many pairs.
+const KC_MAX: usize = 256;
+/// Packed bytes of one task's panels in one k block: about half of a 1 MiB L2.
+const CHUNK_BYTES: usize = 512 << 10;
+/// At most this much of A is converted to bf16 at a time (longer products go in row batches).
+const CONVERTED_BYTES: usize = 16 << 20;
+/// Rows per parallel piece of the conversion.
+const CONVERT_ROWS: usize = 64;
+
+/// Pairs per k block for a reduction of `pairs` pairs: a function of the length only (part of the
+/// summation order, see the module doc).
+pub fn k_block_pairs(pairs: usize) -> usize {
+    if pairs <= KC_ONE {
+        pairs.max(1)
+    } else {
+        pairs.div_ceil(pairs.div_ceil(KC_MAX))
+    }
+}
+
+/// f32 → bf16 bits, round to nearest even; NaN stays NaN (quieted). The bits of
+/// `half::bf16::from_f32` (denormals rounded, not flushed), written without branches so that
+/// loops over it vectorize.
+#[inline(always)]
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let nan = (b >> 16) | 0x40;
+    (if b & 0x7fff_ffff > 0x7f80_0000 { nan } else { rounded }) as u16
+}
+
+/// `f32_to_bf16_bits` as a `half::bf16`.
+pub fn f32_to_bf16(x: f32) -> bf16 {
+    bf16::from_bits(f32_to_bf16_bits(x))
+}
+
+/// A bf16 as the kernel reads it: its f32 value, denormals as signed zero.
+#[inline(always)]
+fn bf16_daz(h: u16) -> f32 {
+    let b = (h as u32) << 16;
+    f32::from_bits(if b & 0x7f80_0000 == 0 { b & 0x8000_0000 } else { b })
+}
+
+/// Which microkernel computes the products (the results are the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// `vdpbf16ps` when the CPU has it and `INFOMEM_BF16_PORTABLE` is unset (or "0"), else portable.
+    Auto,
+    /// `vdpbf16ps`; panics without AVX512_BF16.
+    Native,
+    /// f32 FMAs emulating `vdpbf16ps` (any CPU).
+    Portable,
+}
+
+/// Whether this CPU runs the `vdpbf16ps` kernel.
+pub fn native_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::simd::has_avx512bf16()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `INFOMEM_BF16_PORTABLE` set to anything but "" or "0" (read once).
+fn forced_portable() -> bool {
+    use std::sync::OnceLock;
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var_os("INFOMEM_BF16_PORTABLE").is_some_and(|v| !v.is_empty() && v != "0"))
+}
+
+impl Kernel {
+    fn native(self) -> bool {
+        match self {
+            Kernel::Auto => native_available() && !forced_portable(),
+            Kernel::Native => {
+                assert!(native_available(), "gemm_bf16: Kernel::Native needs AVX512_BF16, which this CPU lacks");
+                true
+            }
+            Kernel::Portable => false,
+        }
+    }
+}
+
+/// 64 bytes: one cache line of packed words (keeps the packed data aligned).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; 16]);
+
+/// A `[n, k]` row-major weight rounded to bf16 and packed for the kernels (see the module doc).
+pub struct PackedBf16 {
+    n: usize,
+    k: usize,
+    /// ⌈k/2⌉
+    pairs: usize,
+    /// pairs per k block (`k_block_pairs(pairs)`)
+    kc: usize,
+    /// ⌈n/NR⌉
+    panels: usize,
+    data: Vec<Line>,
+}
+
+impl PackedBf16 {
+    /// Round `w` (`[n, k]` row-major f32) to bf16 and pack it.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Self {
+        assert!(w.len() >= n * k, "PackedBf16::from_f32: {} values for [{n}, {k}]", w.len());
+        Self::pack(n, k, |j, p| f32_to_bf16_bits(w[j * k + p]))
+    }
+
+    /// Pack an already-bf16 `[n, k]` row-major weight (a bf16 checkpoint: no rounding).
+    pub fn from_bf16(w: &[bf16], n: usize, k: usize) -> Self {
+        assert!(w.len() >= n * k, "PackedBf16::from_bf16: {} values for [{n}, {k}]", w.len());
+        Self::pack(n, k, |j, p| w[j * k + p].to_bits())
+    }
+
+    fn pack(n: usize, k: usize, get: impl Fn(usize, usize) -> u16 + Sync) -> Self {
+        let pairs = k.div_ceil(2);
+        let kc = k_block_pairs(pairs);
+        let panels = n.div_ceil(NR);
+        let mut data = alloc_lines(panels * pairs * NR / 16);
+        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Vec::new() };
+        let dst = SendPtr(data.as_mut_ptr() as *mut u32);
+        let fill = |pn: usize| {
+            for b in 0..me.blocks() {
+                let (q0, kb) = me.block(b);
+                // Safety: panel pn of block b is the disjoint range [off, off + kb·NR) of data.
+                let d = unsafe { dst.get().add(me.block_off(b) + pn * kb * NR) };
+                for q in 0..kb {
+                    for c in 0..NR {
+                        let (j, p) = (pn * NR + c, 2 * (q0 + q));
+                        let lo = if j < n { get(j, p) } else { 0 };
+                        let hi = if j < n && p + 1 < k { get(j, p + 1) } else { 0 };
+                        unsafe { *d.add(q * NR + c) = lo as u32 | (hi as u32) << 16 };
+                    }
+                }
+            }
+        };
+        if n * k >= 1 << 16 {
+            (0..panels).into_par_iter().for_each(fill);
+        } else {
+            (0..panels).for_each(fill);
+        }
+        me.data = data;
+        me
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Bytes of packed storage (≈ 2·n·k plus the padding of the last panel and of an odd k).
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 64
+    }
+
+    fn blocks(&self) -> usize {
+        self.pairs.div_ceil(self.kc)
+    }
+    /// (first pair, pairs) of k block `b`.
+    fn block(&self, b: usize) -> (usize, usize) {
+        let q0 = b * self.kc;
+        (q0, self.kc.min(self.pairs - q0))
+    }
+    /// Word offset of k block `b` (every earlier block is full).
+    fn block_off(&self, b: usize) -> usize {
+        b * self.kc * self.panels * NR
+    }
+    fn words(&self) -> *const u32 {
+        self.data.as_ptr() as *const u32
+    }
+    /// The word holding `W[j][2q]`, `W[j][2q+1]`.
+    fn word(&self, j: usize, q: usize) -> u32 {
+        let b = q / self.kc;
+        let (q0, kb) = self.block(b);
+        let i = self.block_off(b) + (j / NR) * kb * NR + (q - q0) * NR + j % NR;
+        self.data[i / 16].0[i % 16]
+    }
+
+    /// `W[j][p]` as stored.
+    pub fn get(&self, j: usize, p: usize) -> bf16 {
+        assert!(j < self.n && p < self.k);
+        bf16::from_bits((self.word(j, p / 2) >> (16 * (p % 2))) as u16)
+    }
+
+    /// The stored weight unpacked to `[n, k]` row-major f32 (exact: every bf16 is an f32).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        for j in 0..self.n {
+            for q in 0..self.pairs {
+                let word = self.word(j, q);
+                w[j * self.k + 2 * q] = f32::from_bits(word << 16);
+                if 2 * q + 1 < self.k {
+                    w[j * self.k + 2 * q + 1] = f32::from_bits(word & 0xffff_0000);
+                }
+            }
+        }
+        w
+    }
+}
+
+/// `len` zeroed lines; large buffers are advised onto 2 MiB pages before the first write (decode
+/// streams them: fewer TLB misses, prefetch across 4 KiB boundaries; as `upload_vec` does).
+fn alloc_lines(len: usize) -> Vec<Line> {
+    let mut v: Vec<Line> = Vec::with_capacity(len);
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        if len * 64 >= 2 * HUGE {
+            let start = v.as_mut_ptr() as usize;
+            let (a, e) = ((start + HUGE - 1) & !(HUGE - 1), (start + len * 64) & !(HUGE - 1));
+            if e > a {
+                // Safety: [a, e) lies inside v's allocation; madvise only changes paging policy.
+                unsafe { libc::madvise(a as *mut libc::c_void, e - a, libc::MADV_HUGEPAGE) };
+            }
+        }
+    }
+    v.resize(len, Line([0; 16]));
+    v
+}
+
+/// `out[m, n] = x[m, k] · Wᵀ (+ bias)` with `w` packed from `[n, k]`, on the machine's threads.
+pub fn matmul_bf16(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32]) {
+    matmul_bf16_with(x, w, bias, m, k, n, out, Kernel::Auto, true)
+}
+
+/// `matmul_bf16` with the kernel chosen and, with `parallel = false`, on the calling thread only
+/// (for use inside already-parallel loops). The result does not depend on either.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bf16_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool) {
+    assert!(w.n == n && w.k == k, "matmul_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
+    assert!(x.len() >= m * k && out.len() >= m * n, "matmul_bf16: buffer too small");
+    assert!(bias.is_none_or(|b| b.len() >= n), "matmul_bf16: bias shorter than {n}");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for row in out[..m * n].chunks_exact_mut(n) {
+            row.copy_from_slice(bias.map_or(&vec![0.0; n][..], |b| &b[..n]));
+        }
+        return;
+    }
+    let job = Job {
+        a: SendPtr(x.as_ptr() as *mut f32),
+        red: k,
+        pairs: w.pairs,
+        kc: w.kc,
+        m,
+        cols: n,
+        panels: w.panels,
+        c: SendPtr(out.as_mut_ptr()),
+        bias: bias.map_or(SendPtr(std::ptr::null_mut()), |b| SendPtr(b.as_ptr() as *mut f32)),
+        accumulate: false,
+        src: Source::Forward(w),
+        native: kernel.native(),
+    };
+    job.run(parallel);
+}
+
+/// `dx[m, k] (+)= dy[m, n] · W` with `w` packed from `[n, k]`, on the machine's threads.
+pub fn matmul_dx_bf16(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool) {
+    matmul_dx_bf16_with(dy, w, m, n, k, dx, accumulate, Kernel::Auto, true)
+}
+
+/// `matmul_dx_bf16` with the kernel and the parallelism chosen (same bits either way).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_dx_bf16_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool, kernel: Kernel, parallel: bool) {
+    assert!(w.n == n && w.k == k, "matmul_dx_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
+    assert!(dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_bf16: buffer too small");
+    if m == 0 || k == 0 {
+        return;
+    }
+    if n == 0 {
+        if !accumulate {
+            dx[..m * k].fill(0.0);
+        }
+        return;
+    }
+    let pairs = n.div_ceil(2);
+    let job = Job {
+        a: SendPtr(dy.as_ptr() as *mut f32),
+        red: n,
+        pairs,
+        kc: k_block_pairs(pairs),
+        m,
+        cols: k,
+        panels: k.div_ceil(NR),
+        c: SendPtr(dx.as_mut_ptr()),
+        bias: SendPtr(std::ptr::null_mut()),
+        accumulate,
+        src: Source::Transposed(w),
+        native: kernel.native(),
+    };
+    job.run(parallel);
+}
+
+/// Where a task's packed panels come from.
+enum Source<'a> {
+    /// `x Wᵀ`: the stored panels themselves.
+    Forward(&'a PackedBf16),
+    /// `dy W`: panels of Wᵀ repacked per k block into scratch.
+    Transposed(&'a PackedBf16),
+}
+
+/// One product `C[m, cols] (+)= A[m, red] · B` with B in packed panels over `cols`, pairs over `red`.
+struct Job<'a> {
+    /// `[m, red]` row-major f32
+    a: SendPtr<f32>,
+    red: usize,
+    pairs: usize,
+    kc: usize,
+    m: usize,
+    cols: usize,
+    panels: usize,
+    /// `[m, cols]` row-major
+    c: SendPtr<f32>,
+    /// `[cols]` or null
+    bias: SendPtr<f32>,
+    accumulate: bool,
+    src: Source<'a>,
+    native: bool,
+}
+
+thread_local! {
+    /// The calling thread's A converted to bf16 pairs (reused across calls).
+    static CONVERTED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// A task thread's repacked panels of `dy W`.
+    static REPACK: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Job<'_> {
+    fn run(&self, parallel: bool) {
+        let threads = if parallel && self.m * self.cols * self.red >= 1 << 16 { rayon::current_num_threads() } else { 1 };
+        // A is converted once per call, in batches of rows of at most CONVERTED_BYTES.
+        let batch = self.m.min((CONVERTED_BYTES / (self.pairs * 4) / MR).max(1) * MR);
+        let mut conv = CONVERTED.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        if conv.len() < batch * self.pairs {
+            conv.resize(batch * self.pairs, 0); // grown only: every row used is written first
+        }
+        let cp = SendPtr(conv.as_mut_ptr());
+        for rb in (0..self.m).step_by(batch) {
+            let rows = batch.min(self.m - rb);
+            let convert = |piece: usize| {
+                let (i0, i1) = (piece * CONVERT_ROWS, ((piece + 1) * CONVERT_ROWS).min(rows));
+                // Safety: rows rb+i0..rb+i1 of A exist; pieces write disjoint rows of `conv`.
+                unsafe { convert_strip(self.a.get().add((rb + i0) * self.red), self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.native) }
+            };
+            let pieces = rows.div_ceil(CONVERT_ROWS);
+            if threads > 1 && pieces > 1 {
+                (0..pieces).into_par_iter().for_each(convert);
+            } else {
+                (0..pieces).for_each(convert);
+            }
+            self.run_rows(rb, rows, cp.get(), threads);
+        }
+        CONVERTED.with(|s| *s.borrow_mut() = conv);
+    }
+
+    /// Rows `rb..rb+rows`, converted at `conv` (row stride `pairs`), split into tasks.
+    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, threads: usize) {
+        // Columns: runs of panels whose k block fits CHUNK_BYTES, equal-sized; decode (one strip)
+        // splits into ~4 runs per thread for balance.
+        let cap = (CHUNK_BYTES / (self.kc * NR * 4)).max(1);
+        let strips = rows.div_ceil(MR);
+        let mut chunks = self.panels.div_ceil(cap);
+        if threads > 1 && strips == 1 {
+            chunks = chunks.max((4 * threads).min(self.panels));
+        }
+        let per_chunk = self.panels.div_ceil(chunks);
+        let chunks = self.panels.div_ceil(per_chunk);
+        // Rows: enough groups for ~4 tasks per thread, a multiple of the thread count.
+        let mut groups = 1;
+        if threads > 1 && strips > 1 {
+            groups = (4 * threads).div_ceil(chunks);
+            while (chunks * groups) % threads != 0 {
+                groups += 1;
+            }
+            groups = groups.min(strips);
+        }
+        let per_group = strips.div_ceil(groups) * MR;
+        let groups = rows.div_ceil(per_group);
+        let conv = SendPtr(conv as *mut u32);
+        let task = |t: usize| {
+            let (ci, gi) = (t % chunks, t / chunks);
+            let (p0, p1) = (ci * per_chunk, ((ci + 1) * per_chunk).min(self.panels));
+            let (r0, r1) = (gi * per_group, ((gi + 1) * per_group).min(rows));
+            // Safety: tasks write disjoint (row range × column run) tiles of C; every extent was
+            // checked against the buffers by the public entry points.
+            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * self.pairs)) }
+        };
+        let tasks = chunks * groups;
+        if threads > 1 && tasks > 1 {
+            (0..tasks).into_par_iter().for_each(task);
+        } else {
+            (0..tasks).for_each(task);
+        }
+    }
+
+    /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `pairs`), every k block.
+    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
+        let mut repack = Vec::new();
+        if let Source::Transposed(_) = self.src {
+            repack = REPACK.with(|s| std::mem::take(&mut *s.borrow_mut()));
+            if repack.len() < (p1 - p0) * self.kc * NR / 16 {
+                repack.resize((p1 - p0) * self.kc * NR / 16, Line([0; 16]));
+            }
+        }
+        let blocks = self.pairs.div_ceil(self.kc);
+        for b in 0..blocks {
+            let q0 = b * self.kc;
+            let kb = self.kc.min(self.pairs - q0);
+            let panels: *const u32 = match self.src {
+                Source::Forward(w) => w.words().add(w.block_off(b) + p0 * kb * NR),
+                Source::Transposed(w) => {
+                    let d = repack.as_mut_ptr() as *mut u32;
+                    repack_dx(w, p0, p1, q0, kb, d);
+                    d
+                }
+            };
+            let mut i = r0;
+            while i < r1 {
+                let rows = MR.min(r1 - i);
+                let mut pn = p0;
+                while pn < p1 {
+                    let j0 = pn * NR;
+                    let t = Tile {
+                        a: a.add((i - r0) * self.pairs + q0),
+                        lda: self.pairs,
+                        b: panels.add((pn - p0) * kb * NR),
+                        pstride: kb * NR,
+                        kb,
+                        c: self.c.get().add(i * self.cols + j0),
+                        ldc: self.cols,
+                        cols: self.cols - j0,
+                        overwrite: b == 0 && !self.accumulate,
+                        bias: if b + 1 == blocks && !self.bias.get().is_null() { self.bias.get().add(j0) } else { std::ptr::null() },
+                        first: i == r0,
+                    };
+                    pn += t.run(rows, p1 - pn, self.native);
+                }
+                i += rows;
+            }
+        }
+        if let Source::Transposed(_) = self.src {
+            REPACK.with(|s| *s.borrow_mut() = repack);
+        }
+    }
+}
+
+/// Rows `0..rows` of A (row stride `red`), pairs `q0..q0+kb`, to bf16 pair words `dst[r·kb + q]`
+/// (an odd reduction's last pair gets a zero high half).
+unsafe fn convert_strip(a: *const f32, red: usize, rows: usize, q0: usize, kb: usize, dst: *mut u32, native: bool) {
+    let elems = (red - 2 * q0).min(2 * kb);
+    let full = elems / 2;
+    for r in 0..rows {
+        let src = a.add(r * red + 2 * q0);
+        let d = dst.add(r * kb);
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if native {
+            done = avx512::convert_pairs(src, d, full);
+        }
+        let _ = native;
+        let (s, o) = (std::slice::from_raw_parts(src, elems), std::slice::from_raw_parts_mut(d, kb));
+        for q in done..full {
+            o[q] = f32_to_bf16_bits(s[2 * q]) as u32 | (f32_to_bf16_bits(s[2 * q + 1]) as u32) << 16;
+        }
+        if elems % 2 == 1 {
+            o[full] = f32_to_bf16_bits(s[elems - 1]) as u32;
+        }
+    }
+}
+
+/// The `dy W` panels: output panels `p0..p1` (W's columns `32P..32P+32`) × pairs of W's rows
+/// `t0..t0+kb`, in the forward panel format, into `dst` (`(p1 − p0)·kb·NR` words). Word (P, t, c)
+/// holds `W[2t][32P+c]` low and `W[2t+1][32P+c]` high, zero past n or k.
+unsafe fn repack_dx(w: &PackedBf16, p0: usize, p1: usize, t0: usize, kb: usize, dst: *mut u32) {
+    let base = w.words();
+    for pn in p0..p1 {
+        let out = dst.add((pn - p0) * kb * NR);
+        // forward pairs q = 16·pn + qq hold W's columns 2q, 2q+1
+        let qn = 16.min(w.pairs - 16 * pn);
+        let mut rows = [std::ptr::null::<u32>(); 16];
+        let mut t = 0;
+        while t < kb {
+            // the rows 2t, 2t+1 of W in forward panel `jp`, up to its end
+            let j = 2 * (t0 + t);
+            let jp = j / NR;
+            let t_end = kb.min(t + (NR - j % NR) / 2);
+            for (qq, row) in rows.iter_mut().enumerate().take(qn) {
+                let q = 16 * pn + qq;
+                let b = q / w.kc;
+                let (bq0, bkb) = w.block(b);
+                *row = base.add(w.block_off(b) + jp * bkb * NR + (q - bq0) * NR);
+            }
+            for tt in t..t_end {
+                let jj = 2 * (t0 + tt) - jp * NR;
+                let o = out.add(tt * NR);
+                for (qq, row) in rows.iter().enumerate().take(qn) {
+                    let (lo, hi) = (*row.add(jj), *row.add(jj + 1));
+                    *o.add(2 * qq) = (lo & 0xffff) | (hi << 16);
+                    *o.add(2 * qq + 1) = (lo >> 16) | (hi & 0xffff_0000);
+                }
+                for c in 2 * qn..NR {
+                    *o.add(c) = 0;
+                }
+            }
+            t = t_end;
+        }
+    }
+}
+
+/// One microkernel call: `rows` ≤ MR rows of converted A against 1, 2 or 4 panels.
+struct Tile {
+    /// pair words, row stride `lda`
+    a: *const u32,
+    lda: usize,
+    /// first panel (pair-major rows of NR words); panel p at `b + p·pstride`
+    b: *const u32,
+    pstride: usize,
+    kb: usize,
+    c: *mut f32,
+    ldc: usize,
+    /// valid columns from `c` on (may exceed the panels of this call)
+    cols: usize,
+    /// store the block's sum (else add it to C)
+    overwrite: bool,
+    /// bias from this tile's first column, added after the last k block; null if none
+    bias: *const f32,
+    /// the task's first strip: its panels come from memory (prefetch them when ≤ 2 streams)
+    first: bool,
+}
+
+impl Tile {
+    /// Runs the widest call for `rows` (4 panels for 1–2 rows, 2 for 3–4, else 1) that `avail`
+    /// panels allow; returns the panels done.
+    unsafe fn run(&self, rows: usize, avail: usize, native: bool) -> usize {
+        let want = if rows <= 2 {
+            4
+        } else if rows <= 4 {
+            2
+        } else {
+            1
+        };
+        let p = if want.min(avail) >= 4 {
+            4
+        } else if want.min(avail) >= 2 {
+            2
+        } else {
+            1
+        };
+        #[cfg(target_arch = "x86_64")]
+        if native {
+            // A task's first strip streams its panels from memory: with one or two panel streams
+            // (≥ 3 rows) software prefetch 4 KiB ahead helps (decode with 8 rows: +15–25 %);
+            // four streams (1–2 rows) keep the hardware prefetchers busy enough.
+            if self.first && p <= 2 {
+                avx512::dispatch::<true>(self, rows, p);
+            } else {
+                avx512::dispatch::<false>(self, rows, p);
+            }
+            return p;
+        }
+        let _ = native;
+        for q in 0..p {
+            self.portable(rows, q);
+        }
+        p
+    }
+
+    /// Store one finished accumulator of row r, column `off` (same operations as the native store).
+    #[inline(always)]
+    unsafe fn store(&self, r: usize, off: usize, acc: f32) {
+        let c = self.c.add(r * self.ldc + off);
+        let mut v = acc;
+        if !self.overwrite {
+            v += *c; // C + acc: IEEE addition commutes, so the native `C + acc` bits
+        }
+        if !self.bias.is_null() {
+            v += *self.bias.add(off);
+        }
+        *c = v;
+    }
+
+    /// Panel `p` of this call with f32 FMAs: the `vdpbf16ps` steps, see the module doc.
+    unsafe fn portable(&self, rows: usize, p: usize) {
+        let b = self.b.add(p * self.pstride);
+        let mut acc = [[0f32; NR]; MR];
+        let mut edge = [0u32; NR];
+        for q in 0..self.kb {
+            let wq = std::slice::from_raw_parts(b.add(q * NR), NR);
+            let (mut we, mut wo) = ([0f32; NR], [0f32; NR]);
+            for c in 0..NR {
+                we[c] = bf16_daz(wq[c] as u16);
+                wo[c] = bf16_daz((wq[c] >> 16) as u16);
+            }
+            for (r, ar) in acc.iter_mut().enumerate().take(rows) {
+                let xw = *self.a.add(r * self.lda + q);
+                let (xe, xo) = (bf16_daz(xw as u16), bf16_daz((xw >> 16) as u16));
+                for c in 0..NR {
+                    let (s, e1) = step_f32(ar[c], xo, wo[c]);
+                    let (s, e2) = step_f32(s, xe, we[c]);
+                    ar[c] = s;
+                    edge[c] |= e1 | e2;
+                }
+            }
+        }
+        if edge.iter().any(|&e| e != 0) {
+            // a sum landed on ±2⁻¹²⁶: redo the panel with the exact step
+            for (r, ar) in acc.iter_mut().enumerate().take(rows) {
+                for (c, a) in ar.iter_mut().enumerate() {
+                    let mut s = 0f32;
+                    for q in 0..self.kb {
+                        let (xw, ww) = (*self.a.add(r * self.lda + q), *b.add(q * NR + c));
+                        s = step_exact(s, bf16_daz((xw >> 16) as u16), bf16_daz((ww >> 16) as u16));
+                        s = step_exact(s, bf16_daz(xw as u16), bf16_daz(ww as u16));
+                    }
+                    *a = s;
+                }
+            }
+        }
+        let cols = self.cols.saturating_sub(p * NR).min(NR);
+        for (r, ar) in acc.iter().enumerate().take(rows) {
+            for (c, &v) in ar.iter().enumerate().take(cols) {
+                self.store(r, p * NR + c, v);
+            }
+        }
+    }
+}
+
+/// One `vdpbf16ps` half-step in f32: `acc + x·w` fused, a denormal result flushed to signed zero.
+/// The second value is 1 when the sum is exactly ±2⁻¹²⁶ (where the flush decision needs the
+/// exact step).
+#[inline(always)]
+fn step_f32(acc: f32, x: f32, w: f32) -> (f32, u32) {
+    let s = x.mul_add(w, acc);
+    let m = s.abs();
+    let edge = (m == f32::MIN_POSITIVE) as u32;
+    (if m < f32::MIN_POSITIVE { f32::from_bits(s.to_bits() & 0x8000_0000) } else { s }, edge)
+}
+
+/// The half-step exactly: the product of two bf16 is exact in f64 and the f64 sum decides the
+/// flush like `vdpbf16ps` (a result whose 24-bit rounding, exponent unbounded, is below 2⁻¹²⁶
+/// becomes signed zero). See the module doc for why the f64 rounding cannot change the result.
+#[inline]
+fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
+    const TINY: f64 = 1.0 / (1u128 << 126) as f64 - 1.0 / (1u128 << 127) as f64 / (1u64 << 24) as f64;
+    let s = acc as f64 + x as f64 * w as f64;
+    if s.abs() < TINY {
+        f32::from_bits(((s.to_bits() >> 32) as u32) & 0x8000_0000)
+    } else {
+        s as f32
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Tile, NR};
+    use std::arch::x86_64::*;
+
+    /// 16 f32 → their bf16 bits (low halves), as `f32_to_bf16_bits`.
+    #[inline(always)]
+    unsafe fn round16(b: __m512i) -> __m512i {
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))));
+        let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)), _mm512_set1_epi32(0x7f80_0000));
+        _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40)))
+    }
+
+    /// The first 16·⌊pairs/16⌋ pair words of `convert_strip`; returns how many it did.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn convert_pairs(src: *const f32, dst: *mut u32, pairs: usize) -> usize {
+        let mut q = 0;
+        while q + 16 <= pairs {
+            let lo = _mm512_cvtepi32_epi16(round16(_mm512_loadu_si512(src.add(2 * q) as *const _)));
+            let hi = _mm512_cvtepi32_epi16(round16(_mm512_loadu_si512(src.add(2 * q + 16) as *const _)));
+            _mm512_storeu_si512(dst.add(q) as *mut _, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi));
+            q += 16;
+        }
+        q
+    }
+
+    pub unsafe fn dispatch<const PF: bool>(t: &Tile, rows: usize, p: usize) {
+        match (rows, p) {
+            (12, _) => kernel::<12, 1, PF>(t),
+            (11, _) => kernel::<11, 1, PF>(t),
+            (10, _) => kernel::<10, 1, PF>(t),
+            (9, _) => kernel::<9, 1, PF>(t),
+            (8, _) => kernel::<8, 1, PF>(t),
+            (7, _) => kernel::<7, 1, PF>(t),
+            (6, _) => kernel::<6, 1, PF>(t),
+            (5, _) => kernel::<5, 1, PF>(t),
+            (4, 2) => kernel::<4, 2, PF>(t),
+            (4, _) => kernel::<4, 1, PF>(t),
+            (3, 2) => kernel::<3, 2, PF>(t),
+            (3, _) => kernel::<3, 1, PF>(t),
+            (2, 4) => kernel::<2, 4, PF>(t),
+            (2, 2) => kernel::<2, 2, PF>(t),
+            (2, _) => kernel::<2, 1, PF>(t),
+            (1, 4) => kernel::<1, 4, PF>(t),
+            (1, 2) => kernel::<1, 2, PF>(t),
+            (1, _) => kernel::<1, 1, PF>(t),
+            _ => unreachable!("tile of {rows} rows × {p} panels"),
+        }
+    }
+
+    /// R rows × P panels: R·P·2 accumulators of 16 columns; per pair P·2 weight vectors and R
+    /// broadcasts of the rows' pairs. PF: prefetch the panels PF_PAIRS pairs ahead.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn kernel<const R: usize, const P: usize, const PF: bool>(t: &Tile) {
+        const PF_PAIRS: usize = 32;
+        let mut acc = [[[_mm512_setzero_ps(); 2]; P]; R];
+        for q in 0..t.kb {
+            let mut bv: [[__m512bh; 2]; P] = std::mem::zeroed();
+            for (p, v) in bv.iter_mut().enumerate() {
+                let bp = t.b.add(p * t.pstride + q * NR);
+                if PF {
+                    // past the panel's end this is the next panel (or nothing: only a hint)
+                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(PF_PAIRS * NR) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(PF_PAIRS * NR + 16) as *const i8);
+                }
+                v[0] = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp as *const _));
+                v[1] = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(16) as *const _));
+            }
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*t.a.add(r * t.lda + q) as i32));
+                for (ap, v) in ar.iter_mut().zip(&bv) {
+                    ap[0] = _mm512_dpbf16_ps(ap[0], v[0], av);
+                    ap[1] = _mm512_dpbf16_ps(ap[1], v[1], av);
+                }
+            }
+        }
+        for (r, ar) in acc.iter().enumerate() {
+            let cr = t.c.add(r * t.ldc);
+            for (p, ap) in ar.iter().enumerate() {
+                for (h, &a) in ap.iter().enumerate() {
+                    let off = p * NR + h * 16;
+                    if off >= t.cols {
+                        continue;
+                    }
+                    let w = t.cols - off;
+                    let mask: __mmask16 = if w >= 16 { 0xffff } else { ((1u32 << w) - 1) as u16 };
+                    let mut v = a;
+                    if !t.overwrite {
+                        v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, cr.add(off)), v);
+                    }
+                    if !t.bias.is_null() {
+                        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, t.bias.add(off)));
+                    }
+                    _mm512_mask_storeu_ps(cr.add(off), mask, v);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::rng::Rng;
+
+    const U: f64 = 1.0 / (1u64 << 24) as f64; // unit roundoff of f32
+
+    fn kernels() -> Vec<Kernel> {
+        if native_available() {
+            vec![Kernel::Native, Kernel::Portable]
+        } else {
+            eprintln!("note: no AVX512_BF16 on this CPU, testing the portable kernel only");
+            vec![Kernel::Portable]
+        }
+    }
+
+    fn normal(rng: &mut Rng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.normal() as f32).collect()
+    }
+
+    /// The summation order of the module doc, written directly on the unpacked values with the
+    /// exact step: what every kernel must reproduce bit for bit. `w(p)` is the reduction's weight.
+    fn spec(x: &[f32], w: impl Fn(usize) -> u16, init: Option<f32>, bias: Option<f32>) -> f32 {
+        let red = x.len();
+        let pairs = red.div_ceil(2);
+        let kc = k_block_pairs(pairs);
+        let get = |p: usize| if p < red { (bf16_daz(f32_to_bf16_bits(x[p])), bf16_daz(w(p))) } else { (0.0, 0.0) };
+        let mut v = init;
+        for q0 in (0..pairs).step_by(kc) {
+            let mut acc = 0f32;
+            for q in q0..(q0 + kc).min(pairs) {
+                let ((xe, we), (xo, wo)) = (get(2 * q), get(2 * q + 1));
+                acc = step_exact(acc, xo, wo);
+                acc = step_exact(acc, xe, we);
+            }
+            v = Some(v.map_or(acc, |v| v + acc));
+        }
+        let v = v.unwrap_or(0.0);
+        bias.map_or(v, |b| v + b)
+    }
+
+    fn same_bits(got: f32, want: f32) -> bool {
+        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
+    }
+
+    /// `f32_to_bf16_bits` is `half::bf16::from_f32` on every 61st of the 2^32 inputs, plus the
+    /// special neighbourhoods; the AVX-512 strip conversion gives the same words.
+    #[test]
+    fn rounding_matches_half() {
+        let specials = [0u32, 0x8000_0000, 0x0000_0001, 0x007f_ffff, 0x0080_0000, 0x007f_8000, 0x0000_8000, 0x3f80_8000, 0x3f81_8000, 0x3f80_8001, 0x7f7f_ffff, 0x7f7f_8000, 0x7f80_0000, 0xff80_0000, 0x7f80_0001, 0x7fc0_0000, 0xffff_ffff, 0x7fff_ffff];
+        let stride = if cfg!(debug_assertions) { 4099 } else { 61 };
+        let mut bits: Vec<u32> = (0..=u32::MAX).step_by(stride).collect();
+        for s in specials {
+            for d in 0..64u32 {
+                bits.push(s.wrapping_add(d));
+                bits.push(s.wrapping_sub(d));
+            }
+        }
+        for &b in &bits {
+            let x = f32::from_bits(b);
+            assert_eq!(f32_to_bf16_bits(x), bf16::from_f32(x).to_bits(), "{b:#010x}");
+            assert_eq!(f32_to_bf16(x).to_bits(), bf16::from_f32(x).to_bits());
+        }
+        if native_available() {
+            let xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+            let rows = 3;
+            let red: usize = 2 * 16 * 5 + 7; // 84 pairs: 5 vector rounds, 3 scalar pairs, an odd element
+            let pairs = red.div_ceil(2);
+            for chunk in xs.chunks_exact(rows * red).take(2000) {
+                let (mut a, mut b) = (vec![0u32; rows * pairs], vec![0u32; rows * pairs]);
+                unsafe {
+                    convert_strip(chunk.as_ptr(), red, rows, 0, pairs, a.as_mut_ptr(), true);
+                    convert_strip(chunk.as_ptr(), red, rows, 0, pairs, b.as_mut_ptr(), false);
+                }
+                assert_eq!(a, b);
+                assert_eq!(a[pairs - 1] as u16, bf16::from_f32(chunk[red - 1]).to_bits());
+                assert_eq!(a[pairs - 1] >> 16, 0);
+            }
+        }
+    }
+
+    /// Packing keeps every value (`get`, `to_f32`), pads with zeros, and `from_bf16` packs the same words.
+    #[test]
+    fn packing_roundtrip() {
+        let mut rng = Rng::new(1);
+        for &(n, k) in &[(1, 1), (5, 3), (33, 64), (70, 641), (40, 1537)] {
+            let w = normal(&mut rng, n * k);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let pb = PackedBf16::from_bf16(&wb, n, k);
+            assert_eq!(pw.bytes(), n.div_ceil(NR) * k.div_ceil(2) * NR * 4);
+            assert!(pw.data.iter().zip(&pb.data).all(|(a, b)| a.0 == b.0));
+            let un = pw.to_f32();
+            for j in 0..n {
+                for p in 0..k {
+                    assert_eq!(pw.get(j, p).to_bits(), wb[j * k + p].to_bits(), "({j},{p}) of [{n},{k}]");
+                    assert_eq!(un[j * k + p], wb[j * k + p].to_f32());
+                }
+            }
+            // padding: columns past n and the odd k's last high half are zero
+            for q in 0..pw.pairs {
+                for j in 0..pw.panels * NR {
+                    let word = pw.word(j, q);
+                    if j >= n {
+                        assert_eq!(word, 0);
+                    } else if 2 * q + 1 == k {
+                        assert_eq!(word >> 16, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The `dy W` repack of a block equals the forward packing of Wᵀ (same words, same padding).
+    #[test]
+    fn dx_repack_is_packed_transpose() {
+        let mut rng = Rng::new(2);
+        for &(n, k) in &[(1, 1), (3, 5), (65, 33), (77, 700), (700, 77), (1537, 40)] {
+            let w = normal(&mut rng, n * k);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+            let pt = PackedBf16::from_f32(&wt, k, n);
+            for b in 0..pt.blocks() {
+                let (t0, kb) = pt.block(b);
+                for (p0, p1) in [(0, pt.panels), (pt.panels / 2, pt.panels)] {
+                    let mut d = vec![0u32; (p1 - p0) * kb * NR];
+                    unsafe { repack_dx(&pw, p0, p1, t0, kb, d.as_mut_ptr()) };
+                    let off = pt.block_off(b) + p0 * kb * NR;
+                    let want: Vec<u32> = (0..d.len()).map(|i| pt.data[(off + i) / 16].0[(off + i) % 16]).collect();
+                    assert_eq!(d, want, "[{n}, {k}] block {b} panels {p0}..{p1}");
+                }
+            }
+        }
+    }
+
+    const SHAPES: &[(usize, usize, usize)] = &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64)];
+
+    /// x Wᵀ + b against an f64 reference on the bf16-rounded inputs, within the worst-case bound
+    /// of a sequential f32 sum: |err| ≤ (k + blocks + 2)·u·(Σ|x·w| + |b|), u = 2⁻²⁴.
+    #[test]
+    fn matmul_matches_f64_reference() {
+        let mut rng = Rng::new(3);
+        for &(m, k, n) in SHAPES {
+            let x = normal(&mut rng, m * k);
+            let w = normal(&mut rng, n * k);
+            let bias = normal(&mut rng, n);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let (xr, wr): (Vec<f64>, Vec<f64>) = (x.iter().map(|&v| bf16::from_f32(v).to_f64()).collect(), pw.to_f32().iter().map(|&v| v as f64).collect());
+            let blocks = k.div_ceil(2).div_ceil(k_block_pairs(k.div_ceil(2)));
+            for kernel in kernels() {
+                for with_bias in [false, true] {
+                    let mut out = vec![f32::NAN; m * n + 3];
+                    matmul_bf16_with(&x, &pw, with_bias.then_some(&bias[..]), m, k, n, &mut out, kernel, true);
+                    assert!(out[m * n..].iter().all(|v| v.is_nan()), "wrote past the output");
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (mut dot, mut mag) = (0f64, 0f64);
+                            for p in 0..k {
+                                dot += xr[i * k + p] * wr[j * k + p];
+                                mag += (xr[i * k + p] * wr[j * k + p]).abs();
+                            }
+                            let b = if with_bias { bias[j] as f64 } else { 0.0 };
+                            let tol = (k + blocks + 2) as f64 * U * (mag + b.abs());
+                            let got = out[i * n + j] as f64;
+                            assert!((got - dot - b).abs() <= tol, "{kernel:?} m{m} k{k} n{n} ({i},{j}): {got} vs {} (tol {tol:e})", dot + b);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// dx (+)= dy W against f64, both modes, within the same bound over the n-long sums.
+    #[test]
+    fn dx_matches_f64_reference() {
+        let mut rng = Rng::new(4);
+        for &(m, n, k) in SHAPES {
+            let dy = normal(&mut rng, m * n);
+            let w = normal(&mut rng, n * k);
+            let dx0 = normal(&mut rng, m * k);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let (dr, wr): (Vec<f64>, Vec<f64>) = (dy.iter().map(|&v| bf16::from_f32(v).to_f64()).collect(), pw.to_f32().iter().map(|&v| v as f64).collect());
+            let blocks = n.div_ceil(2).div_ceil(k_block_pairs(n.div_ceil(2)));
+            for kernel in kernels() {
+                for accumulate in [false, true] {
+                    let mut dx = dx0.clone();
+                    dx.push(f32::NAN);
+                    matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut dx, accumulate, kernel, true);
+                    assert!(dx[m * k].is_nan(), "wrote past dx");
+                    for i in 0..m {
+                        for p in 0..k {
+                            let (mut dot, mut mag) = (0f64, 0f64);
+                            for j in 0..n {
+                                dot += dr[i * n + j] * wr[j * k + p];
+                                mag += (dr[i * n + j] * wr[j * k + p]).abs();
+                            }
+                            let init = if accumulate { dx0[i * k + p] as f64 } else { 0.0 };
+                            let tol = (n + blocks + 2) as f64 * U * (mag + init.abs());
+                            let got = dx[i * k + p] as f64;
+                            assert!((got - dot - init).abs() <= tol, "{kernel:?} acc={accumulate} m{m} n{n} k{k} ({i},{p}): {got} vs {}", dot + init);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Both kernels give the bits of `spec` (the documented order), forward with and without
+    /// bias and dx in both modes, on shapes with several k blocks, odd k and partial panels.
+    #[test]
+    fn kernels_give_the_spec_bits() {
+        let mut rng = Rng::new(5);
+        for &(m, k, n) in SHAPES {
+            let x = normal(&mut rng, m * k);
+            let w = normal(&mut rng, n * k);
+            let bias = normal(&mut rng, n);
+            let dy = normal(&mut rng, m * n);
+            let dx0 = normal(&mut rng, m * k);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let wb: Vec<u16> = w.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+            for kernel in kernels() {
+                let mut out = vec![0f32; m * n];
+                matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut out, kernel, true);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = spec(&x[i * k..(i + 1) * k], |p| wb[j * k + p], None, Some(bias[j]));
+                        assert!(same_bits(out[i * n + j], want), "{kernel:?} x·Wᵀ m{m} k{k} n{n} ({i},{j}): {} vs {want}", out[i * n + j]);
+                    }
+                }
+                for accumulate in [false, true] {
+                    let mut dx = dx0.clone();
+                    matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut dx, accumulate, kernel, true);
+                    for i in 0..m {
+                        for p in 0..k {
+                            let want = spec(&dy[i * n..(i + 1) * n], |j| wb[j * k + p], accumulate.then_some(dx0[i * k + p]), None);
+                            assert!(same_bits(dx[i * k + p], want), "{kernel:?} dy·W acc={accumulate} m{m} n{n} k{k} ({i},{p}): {} vs {want}", dx[i * k + p]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's bits do not depend on the other rows of the call, on its position, on the thread
+    /// count, or on the kernel (native vs portable).
+    #[test]
+    fn rows_are_batch_invariant() {
+        let mut rng = Rng::new(6);
+        for &(m, k, n) in &[(100, 641, 70), (40, 1536, 200), (29, 577, 960)] {
+            let x = normal(&mut rng, m * k);
+            let w = normal(&mut rng, n * k);
+            let bias = normal(&mut rng, n);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let mut all = vec![0f32; m * n];
+            matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut all, kernels()[0], true);
+            let mut all_dx = vec![0f32; m * k];
+            let dy = normal(&mut rng, m * n);
+            matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut all_dx, false, kernels()[0], true);
+            for kernel in kernels() {
+                for threads in [1, 2, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| {
+                        // every row alone, and sub-batches of 2, 13 and 16 rows at odd offsets
+                        for (r0, rows) in (0..m).map(|i| (i, 1)).chain([(3, 2), (5, 13), (m - 16, 16), (0, m)]) {
+                            let mut out = vec![0f32; rows * n];
+                            matmul_bf16_with(&x[r0 * k..(r0 + rows) * k], &pw, Some(&bias), rows, k, n, &mut out, kernel, threads > 1);
+                            assert!(out.iter().zip(&all[r0 * n..(r0 + rows) * n]).all(|(a, b)| a.to_bits() == b.to_bits()), "{kernel:?} {threads} threads, rows {r0}+{rows} of m{m} k{k} n{n}");
+                            let mut dx = vec![0f32; rows * k];
+                            matmul_dx_bf16_with(&dy[r0 * n..(r0 + rows) * n], &pw, rows, n, k, &mut dx, false, kernel, threads > 1);
+                            assert!(dx.iter().zip(&all_dx[r0 * k..(r0 + rows) * k]).all(|(a, b)| a.to_bits() == b.to_bits()), "dx: {kernel:?} {threads} threads, rows {r0}+{rows}");
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Tiny values: partial sums cross 2⁻¹²⁶ (flushed), bf16 denormals (read as zero), and the
+    /// exact-±2⁻¹²⁶ edge the portable kernel redoes exactly: both kernels give `spec`'s bits,
+    /// and the cases measured on this CPU's `vdpbf16ps` hold.
+    #[test]
+    fn denormals_flush_like_vdpbf16ps() {
+        let p2 = |e: i32| 2f32.powi(e);
+        // (x, w) over k = 4; pairs are (0,1), (2,3) and the odd element of a pair goes first
+        let cases: &[([f32; 4], [f32; 4], f32)] = &[
+            // 2⁻¹²⁶, then − 1.5·2⁻¹⁵¹: exact value rounds (24 bits) below 2⁻¹²⁶ → flushed to 0
+            ([p2(-63), 0.0, p2(-75), 0.0], [p2(-63), 0.0, -1.5 * p2(-76), 0.0], 0.0),
+            // − 2⁻¹⁵¹ is a tie that rounds back up to 2⁻¹²⁶: kept
+            ([p2(-63), 0.0, p2(-75), 0.0], [p2(-63), 0.0, -p2(-76), 0.0], p2(-126)),
+            // a product of −2⁻¹⁴⁰ alone is flushed to −0 (the last step; +0 + −0 would be +0)
+            ([0.0, 0.0, p2(-70), 0.0], [0.0, 0.0, -p2(-70), 0.0], -0.0),
+            // bf16 denormal input reads as zero even against a huge weight
+            ([f32::from_bits(0x0040_0000), 0.0, 1.0, 0.0], [p2(100), 0.0, 1.0, 0.0], 1.0),
+            // after 1: the odd element of a pair is added first, each sum rounded:
+            // 1 − 1 = 0, + 2⁻³⁰ = 2⁻³⁰; and 1 + 2⁻³⁰ = 1, − 1 = 0 (one rounding would give 2⁻³⁰ both)
+            ([1.0, 0.0, p2(-30), -1.0], [1.0, 0.0, 1.0, 1.0], p2(-30)),
+            ([1.0, 0.0, -1.0, p2(-30)], [1.0, 0.0, 1.0, 1.0], 0.0),
+        ];
+        for kernel in kernels() {
+            for (x, w, want) in cases {
+                let pw = PackedBf16::from_f32(w, 1, 4);
+                let mut out = [7f32];
+                matmul_bf16_with(x, &pw, None, 1, 4, 1, &mut out, kernel, false);
+                assert_eq!(out[0].to_bits(), want.to_bits(), "{kernel:?} x {x:?} w {w:?}: {} vs {want}", out[0]);
+            }
+        }
+        // random tiny operands: products around 2⁻¹²⁶, sums crossing the boundary all the time
+        let mut rng = Rng::new(7);
+        let (m, k, n) = (13, 301, 45);
+        for scale in [-63, -64, -66] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32 * p2(scale)).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.normal() as f32 * p2(-63)).collect();
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let wb: Vec<u16> = w.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+            let mut outs = vec![];
+            for kernel in kernels() {
+                let mut out = vec![0f32; m * n];
+                matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, kernel, true);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = spec(&x[i * k..(i + 1) * k], |p| wb[j * k + p], None, None);
+                        assert_eq!(out[i * n + j].to_bits(), want.to_bits(), "{kernel:?} 2^{scale} ({i},{j})");
+                    }
+                }
+                outs.push(out);
+            }
+            let zeros = outs[0].iter().filter(|v| **v == 0.0).count();
+            assert!(zeros > 0 && zeros < m * n, "the case should mix flushed and kept sums ({zeros} zeros)");
+        }
+    }
+
+    /// Random bit patterns (all exponents, specials, denormals; operands near 2⁻¹²⁶ half of the
+    /// time) through k = 4 (the first pair sets an arbitrary accumulator): native, portable and
+    /// `spec` agree bit for bit (NaN payloads aside).
+    #[test]
+    fn random_bits_match_spec() {
+        let mut rng = Rng::new(9);
+        let (m, k, n) = (12, 4, 64);
+        let mut pick = |narrow: bool| {
+            let b = rng.next_u64() as u32;
+            let e = if narrow { 40 + (b >> 23) % 50 } else { (b >> 23) & 0xff };
+            f32::from_bits((b & 0x807f_ffff) | e << 23)
+        };
+        for call in 0..400 {
+            let narrow = call % 2 == 1;
+            let x: Vec<f32> = (0..m * k).map(|_| pick(narrow)).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| pick(narrow)).collect();
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let wb: Vec<u16> = w.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+            for kernel in kernels() {
+                let mut out = vec![0f32; m * n];
+                matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, kernel, false);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = spec(&x[i * k..(i + 1) * k], |p| wb[j * k + p], None, None);
+                        assert!(same_bits(out[i * n + j], want), "{kernel:?} x {:?} w {:?}: {} vs {want}", &x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k], out[i * n + j]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// NaN and ±inf: a NaN in a row of x makes that row NaN, a NaN in a row of W that column,
+    /// inf·0 is NaN; the rest stays finite. Same positions for both kernels and for dx.
+    #[test]
+    fn nan_and_inf_propagate() {
+        let (m, k, n) = (5, 67, 40);
+        let mut rng = Rng::new(8);
+        let mut x = normal(&mut rng, m * k);
+        let mut w = normal(&mut rng, n * k);
+        x[k + 66] = f32::NAN; // row 1, the odd k's last element
+        w[3 * k + 10] = f32::NAN; // column 3
+        x[3 * k + 5] = f32::INFINITY; // row 3 · column 7 (zero there): NaN; elsewhere ±inf
+        w[7 * k + 5] = 0.0;
+        let pw = PackedBf16::from_f32(&w, n, k);
+        let expect_nan = |i: usize, j: usize| i == 1 || j == 3 || (i == 3 && j == 7);
+        for kernel in kernels() {
+            let mut out = vec![0f32; m * n];
+            matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, kernel, true);
+            for i in 0..m {
+                for j in 0..n {
+                    let v = out[i * n + j];
+                    assert_eq!(v.is_nan(), expect_nan(i, j), "{kernel:?} ({i},{j}) = {v}");
+                    if !expect_nan(i, j) {
+                        assert_eq!(v.is_infinite(), i == 3, "{kernel:?} ({i},{j}) = {v}");
+                    }
+                }
+            }
+            // dx = dy W: a NaN in W's row 3 reaches every dx row whose dy[·,3] is nonzero, in column 10
+            let dy = normal(&mut rng, m * n);
+            let mut dx = vec![0f32; m * k];
+            matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut dx, false, kernel, true);
+            for i in 0..m {
+                for p in 0..k {
+                    assert_eq!(dx[i * k + p].is_nan(), p == 10, "{kernel:?} dx ({i},{p})");
+                }
+            }
+        }
+    }
+
+    /// Degenerate sizes: k = 0 (bias or zeros), n = 0 for dx (zeros or untouched), m = 0.
+    #[test]
+    fn degenerate_shapes() {
+        let pw = PackedBf16::from_f32(&[], 3, 0);
+        let mut out = vec![9f32; 6];
+        matmul_bf16(&[], &pw, Some(&[1.0, 2.0, 3.0]), 2, 0, 3, &mut out);
+        assert_eq!(out, [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]);
+        matmul_bf16(&[], &pw, None, 2, 0, 3, &mut out);
+        assert_eq!(out, [0.0; 6]);
+        let pw = PackedBf16::from_f32(&[], 0, 4);
+        let mut dx = vec![5f32; 8];
+        matmul_dx_bf16(&[], &pw, 2, 0, 4, &mut dx, true);
+        assert_eq!(dx, [5.0; 8]);
+        matmul_dx_bf16(&[], &pw, 2, 0, 4, &mut dx, false);
+        assert_eq!(dx, [0.0; 8]);
+        let pw = PackedBf16::from_f32(&[1.0; 12], 3, 4);
+        matmul_bf16(&[], &pw, None, 0, 4, 3, &mut []);
+    }
+}

@@ -1,0 +1,146 @@
+//! `--dtype bf16` on the CPU: weight matrices rounded once to bf16, products accumulated in f32
+//! (`src/backend/cpu/gemm_bf16.rs`), everything else f32 — checked against the same PyTorch
+//! fixtures as the f32 path (tests/runtime_tiny.rs, tests/grpo_grad.rs), within bounds that follow
+//! from bf16's 8-bit significand, and for the invariants the f32 path has (batched equals one by
+//! one, bit for bit).
+//!
+//! The bounds. A bf16 rounding errs by at most 2⁻⁹ relative (round to nearest); every GEMM here
+//! rounds its weight and its input row, so each product carries up to ~0.4 % relative error,
+//! partly cancelling over a dot product and compounding over layers. Measured on the five tiny
+//! families (2 layers): logits within 0.95–1.7 % of max|logit|; log-probs within 1.4e-2–1.3e-1
+//! (the largest on the tied Llamas, whose logits reach ±20); GRPO loss within 0.03–7 % and the
+//! whole LoRA gradient within 1.4–5.8 % (‖Δ‖/‖ref‖). The asserts allow about twice that: logits
+//! 4e-2 of max|ref|, log-probs and gains 2e-2·max|logit|, loss 15 %, gradient 12 %. A real defect
+//! (a skipped norm, a transposed or mis-tiled weight) moves these by O(1). The kernels themselves
+//! are checked far tighter, against f64 on the same bf16-rounded inputs, in
+//! src/backend/cpu/gemm_bf16.rs.
+mod common;
+use common::*;
+use infomem_engine::backend::cpu::{CpuBackend, WeightDtype};
+use infomem_engine::backend::{Backend, SampleParams};
+use infomem_engine::rl::grpo;
+use infomem_engine::runtime::{self, Entry, GenRequest, Model, SchedOptions, Seq, Want};
+use infomem_engine::util::rng::Rng;
+
+fn tiny_bf16(arch: &str) -> Model<CpuBackend> {
+    Model::load(&fixtures().join(format!("tiny-{arch}")), CpuBackend::with_weights(WeightDtype::Bf16)).unwrap()
+}
+
+/// Logits of every position through the prefill path (one step with all rows).
+fn logits_rows(m: &Model<CpuBackend>, ids: &[u32]) -> Vec<Vec<f32>> {
+    // decode path: one token per step, so every row's logits come back
+    let mut kv = runtime::kv_for(m, ids.len()).unwrap();
+    let mut seq = Seq::default();
+    (0..ids.len())
+        .map(|t| {
+            let mut e = [Entry { seq: &mut seq, tokens: &ids[t..t + 1], want: Want::Logits }];
+            m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn bf16_logits_logprobs_and_gains_within_bf16_bounds() {
+    let c = cases();
+    for arch in ARCHS {
+        let m = tiny_bf16(arch);
+        assert!(m.be.name().contains("bf16"), "{}", m.be.name());
+        let mut worst_logit = 0f64;
+        let mut maxref = 1f64;
+        for fw in c[arch]["forward"].as_array().unwrap() {
+            let ids = ids(&fw["ids"]);
+            let (shape, want) = expected(fw["logits"].as_str().unwrap());
+            let v = shape[1];
+            let mr = want.iter().fold(0f32, |a, &b| a.max(b.abs())).max(1.0) as f64;
+            maxref = maxref.max(mr);
+            for (t, row) in logits_rows(&m, &ids).iter().enumerate() {
+                for (j, &x) in row.iter().enumerate() {
+                    worst_logit = worst_logit.max((x as f64 - want[t * v + j] as f64).abs() / mr);
+                }
+            }
+        }
+        let g = &c[arch]["gain"];
+        let score = |ctx: &[u32], tgt: &[u32]| {
+            let mut kv = runtime::kv_for(&m, ctx.len() + tgt.len()).unwrap();
+            let mut seq = Seq::default();
+            let toks: Vec<u32> = ctx.iter().chain(&tgt[..tgt.len() - 1]).copied().collect();
+            let mut e = [Entry { seq: &mut seq, tokens: &toks, want: Want::LogProbs { first_row: ctx.len() - 1, targets: tgt.to_vec() } }];
+            m.step(&mut kv, &mut e).unwrap().remove(0).logprobs
+        };
+        let target = ids(&g["target"]);
+        let with = score(&ids(&g["with_ctx"]), &target);
+        let without = score(&ids(&g["without_ctx"]), &target);
+        let mut worst_lp = 0f64;
+        for (got, want) in [(&with, floats(&g["logprobs_with"])), (&without, floats(&g["logprobs_without"]))] {
+            for (a, b) in got.iter().zip(&want) {
+                worst_lp = worst_lp.max((*a as f64 - b).abs());
+            }
+        }
+        let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+        let gain_err = (mean(&with) - mean(&without) - g["gain"].as_f64().unwrap()).abs();
+        println!("{arch} bf16: logits {worst_logit:.2e} of max|ref| ({maxref:.1}), log-probs {worst_lp:.2e}, gain {gain_err:.2e}");
+        assert!(worst_logit <= 4e-2, "{arch}: bf16 logits off by {worst_logit:.3e} of max|ref|");
+        // a log-probability moves with its logits: the bound scales with the logits' size
+        assert!(worst_lp <= 2e-2 * maxref, "{arch}: bf16 log-probs off by {worst_lp:.3e} (max|logit| {maxref:.1})");
+        assert!(gain_err <= 2e-2 * maxref, "{arch}: bf16 gain off by {gain_err:.3e} (max|logit| {maxref:.1})");
+    }
+}
+
+/// The LoRA gradient of the GRPO loss in bf16 (weights bf16; LoRA, gradients f32) against
+/// PyTorch's f32 autograd (tests/grpo_grad.rs does the same in f32 within 1e-3).
+#[test]
+fn bf16_grpo_gradients_within_bf16_bounds() {
+    for arch in ARCHS {
+        let g = &cases()[arch]["grpo"];
+        let mut model = tiny_bf16(arch);
+        model.load_adapter(&fixtures().join(g["adapter_dir"].as_str().unwrap())).unwrap();
+        let batch = grpo::parse_batch(&serde_json::to_string(g).unwrap(), model.cfg.vocab).unwrap();
+        let (st, grads) = grpo::loss_and_grads(&model, &batch.conversations, &batch.cfg).unwrap();
+        let want_loss = g["loss"].as_f64().unwrap();
+        let got = grads.to_peft(&model).unwrap();
+        let prefix = g["grad_prefix"].as_str().unwrap();
+        let (mut num, mut den) = (0f64, 0f64);
+        let mut worst = 0f64;
+        for (name, t) in &got {
+            let (_, want) = expected(&format!("{prefix}{name}"));
+            let d: f64 = t.data.iter().zip(&want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+            let r: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+            num += d;
+            den += r;
+            worst = worst.max((d / r.max(1e-30)).sqrt());
+        }
+        let total = (num / den).sqrt();
+        println!("{arch} bf16: loss {:.6} vs {want_loss:.6}, gradient ‖Δ‖/‖ref‖ {total:.2e} overall, worst tensor {worst:.2e}", st.loss);
+        assert!((st.loss - want_loss).abs() <= 0.15 * want_loss.abs().max(0.1), "{arch}: loss {} vs {want_loss}", st.loss);
+        assert!(total <= 0.12, "{arch}: bf16 LoRA gradient off by {total:.3e} (relative)");
+    }
+}
+
+/// Requests of different lengths batched together give exactly what each gives alone in bf16
+/// too: every row goes through the same kernels with the same summation order.
+#[test]
+fn bf16_batched_equals_one_by_one() {
+    for arch in ["qwen2", "qwen3"] {
+        let m = tiny_bf16(arch);
+        let mut rng = Rng::new(11);
+        let prompts: Vec<Vec<u32>> = [3usize, 17, 40, 1, 25].iter().map(|&n| (0..n).map(|_| rng.below(500) as u32 + 3).collect()).collect();
+        let mk = |p: &Vec<u32>, i: usize| GenRequest {
+            seq: Seq::default(),
+            feed: p.clone(),
+            max_new: 10,
+            params: SampleParams { temperature: 0.9, top_p: 0.9 },
+            rng: Rng::derive(42, i as u64),
+            stop_ids: vec![],
+            stop_strings: vec![],
+            keep_seq: false,
+        };
+        let mut kv = runtime::kv_for(&m, 1024).unwrap();
+        let batched = runtime::generate(&m, &mut kv, prompts.iter().enumerate().map(|(i, p)| mk(p, i)).collect(), SchedOptions { max_batch_tokens: 16 }, |_| {}).unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut kv1 = runtime::kv_for(&m, 1024).unwrap();
+            let alone = runtime::generate(&m, &mut kv1, vec![mk(p, i)], SchedOptions::default(), |_| {}).unwrap();
+            assert_eq!(batched[i].new_ids, alone[0].new_ids, "{arch} prompt {i}");
+            assert_eq!(batched[i].logprobs, alone[0].logprobs, "{arch} prompt {i}: log-probs bit for bit");
+        }
+    }
+}
