@@ -8,9 +8,12 @@
 //! rounds its weight and its input row, so each product carries up to ~0.4 % relative error,
 //! partly cancelling over a dot product and compounding over layers. Measured on the five tiny
 //! families (2 layers): logits within 0.95–1.7 % of max|logit|; log-probs within 1.4e-2–1.3e-1
-//! (the largest on the tied Llamas, whose logits reach ±20); GRPO loss within 0.03–7 % and the
-//! whole LoRA gradient within 1.4–5.8 % (‖Δ‖/‖ref‖). The asserts allow about twice that: logits
-//! 4e-2 of max|ref|, log-probs and gains 2e-2·max|logit|, loss 15 %, gradient 12 %. A real defect
+//! (the largest on the tied Llamas, whose logits reach ±36); GRPO loss within 0.3–9 % and the
+//! whole LoRA gradient within 1.4–8.7 % (‖Δ‖/‖ref‖; the update pass runs its GEMMs in bf16 too,
+//! LoRA unmerged beside the weights). The asserts allow about twice that: logits 4e-2 of max|ref|,
+//! log-probs and gains 2e-2·max|logit|, loss 20 %, gradient 20 %. The unmerged passes themselves
+//! match PyTorch within 1e-3 in f32 (tests/grpo_grad.rs::fixture_unmerged_lora_all_families), so
+//! what remains here is bf16's rounding. A real defect
 //! (a skipped norm, a transposed or mis-tiled weight) moves these by O(1). The kernels themselves
 //! are checked far tighter, against f64 on the same bf16-rounded inputs, in
 //! src/backend/cpu/gemm_bf16.rs.
@@ -111,8 +114,8 @@ fn bf16_grpo_gradients_within_bf16_bounds() {
         }
         let total = (num / den).sqrt();
         println!("{arch} bf16: loss {:.6} vs {want_loss:.6}, gradient ‖Δ‖/‖ref‖ {total:.2e} overall, worst tensor {worst:.2e}", st.loss);
-        assert!((st.loss - want_loss).abs() <= 0.15 * want_loss.abs().max(0.1), "{arch}: loss {} vs {want_loss}", st.loss);
-        assert!(total <= 0.12, "{arch}: bf16 LoRA gradient off by {total:.3e} (relative)");
+        assert!((st.loss - want_loss).abs() <= 0.2 * want_loss.abs().max(0.1), "{arch}: loss {} vs {want_loss}", st.loss);
+        assert!(total <= 0.2, "{arch}: bf16 LoRA gradient off by {total:.3e} (relative)");
     }
 }
 

@@ -277,6 +277,14 @@ pub trait TrainBackend: Backend {
         Ok(keep_override()?.unwrap_or(0))
     }
 
+    /// Whether the training passes should keep LoRA unmerged: the frozen weights as stored, each
+    /// pair applied as its own low-rank product (`lora`, and `lora_bwd` with `dx`). For weights
+    /// the merged copy could not keep in their dtype (the CPU's bf16 weights: a merged copy would
+    /// be f32 and lose the bf16 GEMMs). The default merges (`lora_merge`).
+    fn lora_unmerged(&self) -> bool {
+        false
+    }
+
     // ---- forward ----
     /// Fold a LoRA pair into (a copy of) a frozen weight: `w[row0 + o, :] += scale · Σ_j b[o, j]·a[j, :]`
     /// for `o < n_out`; `w` rows of `k`, `a [r, k]`, `b [n_out, r]`. The training passes run on

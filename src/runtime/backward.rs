@@ -228,6 +228,9 @@ struct LayerW<'a, B: Backend> {
     qk_norm: Option<(&'a B::Buf, &'a B::Buf)>,
     o: &'a B::Buf,
     o_bias: Option<&'a B::Buf>,
+    /// `Some(l)`: the weights are the frozen ones and layer `l`'s LoRA pairs are applied as
+    /// separate low-rank products (`TrainBackend::lora_unmerged`); `None`: merged (or no LoRA).
+    lora_layer: Option<usize>,
     mlp_norm: &'a B::Buf,
     gate_up: &'a B::Buf,
     down: &'a B::Buf,
@@ -237,11 +240,15 @@ struct LayerW<'a, B: Backend> {
 /// the backward keeps also keeps its merged weights in slot `1 + l`, so they are merged once.
 struct Merged<B: Backend> {
     slots: Vec<Option<([B::Buf; 4], [bool; 4])>>,
+    /// The backend keeps LoRA unmerged (`TrainBackend::lora_unmerged`); then `policy` says
+    /// whether the passes add the deltas.
+    lazy: bool,
+    policy: Policy,
 }
 
 impl<B: TrainBackend> Merged<B> {
-    fn new(n_layers: usize) -> Self {
-        Merged { slots: (0..=n_layers).map(|_| None).collect() }
+    fn new(model: &Model<B>) -> Self {
+        Merged { slots: (0..=model.cfg.n_layers).map(|_| None).collect(), lazy: model.be.lora_unmerged(), policy: Policy::Current }
     }
 
     /// Bytes one slot holds (f32 on the CPU, the only backend that keeps slots).
@@ -253,6 +260,10 @@ impl<B: TrainBackend> Merged<B> {
 
     /// Merge layer `l`'s LoRA pairs under `policy` into copies of its weights in `slot`.
     fn merge(&mut self, model: &Model<B>, policy: Policy, l: usize, slot: usize) -> Result<()> {
+        self.policy = policy;
+        if self.lazy {
+            return Ok(()); // the passes apply the pairs themselves (LayerW::lora_layer)
+        }
         let be = &model.be;
         let c = &model.cfg;
         let w = &model.layers[l];
@@ -310,6 +321,7 @@ impl<B: TrainBackend> Merged<B> {
             qk_norm: w.qk_norm.as_ref().map(|(q, k)| (q, k)),
             o: pick(1, &w.o),
             o_bias: w.o_bias.as_ref(),
+            lora_layer: (self.lazy && self.policy == Policy::Current).then_some(l),
             mlp_norm: &w.mlp_norm,
             gate_up: pick(2, &w.gate_up),
             down: pick(3, &w.down),
@@ -359,6 +371,11 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
     // attention block
     be.rmsnorm(x, w.attn_norm, c.rms_eps, n, d, &mut a.h1)?;
     prof::time("train_matmul", || be.matmul(&a.h1, w.qkv, w.qkv_bias, n, d, qkv_dim, &mut a.qkv))?;
+    if let Some(l) = w.lora_layer {
+        model.lora_delta(l, Proj::Q, &a.h1, n, &mut a.qkv, 0, qkv_dim)?;
+        model.lora_delta(l, Proj::K, &a.h1, n, &mut a.qkv, q_dim, qkv_dim)?;
+        model.lora_delta(l, Proj::V, &a.h1, n, &mut a.qkv, q_dim + kv_dim, qkv_dim)?;
+    }
     match (w.qk_norm, a.qkv_pre.as_mut()) {
         (Some((qn, kn)), Some(pre)) => {
             be.copy(&a.qkv, pre)?;
@@ -369,6 +386,9 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
     }
     prof::time("train_attn", || be.attn_dense(&a.qkv, &batch.seqs, g, &mut a.att, &mut a.lse))?;
     prof::time("train_matmul", || be.matmul(&a.att, w.o, w.o_bias, n, q_dim, d, &mut a.o))?;
+    if let Some(l) = w.lora_layer {
+        model.lora_delta(l, Proj::O, &a.att, n, &mut a.o, 0, d)?;
+    }
     // x ← x + o; h2 = rmsnorm(x)
     be.add_rmsnorm(x, &a.o, w.mlp_norm, c.rms_eps, n, d, &mut a.h2)?;
     if let Some(xm) = xm {
@@ -376,9 +396,16 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
     }
     // MLP block
     prof::time("train_matmul", || be.matmul(&a.h2, w.gate_up, None, n, d, 2 * inter, &mut a.gu))?;
+    if let Some(l) = w.lora_layer {
+        model.lora_delta(l, Proj::Gate, &a.h2, n, &mut a.gu, 0, 2 * inter)?;
+        model.lora_delta(l, Proj::Up, &a.h2, n, &mut a.gu, inter, 2 * inter)?;
+    }
     be.swiglu(&a.gu, n, inter, &mut a.act)?;
     if full {
         prof::time("train_matmul", || be.matmul(&a.act, w.down, None, n, inter, d, &mut a.o))?;
+        if let Some(l) = w.lora_layer {
+            model.lora_delta(l, Proj::Down, &a.act, n, &mut a.o, 0, d)?;
+        }
         be.add(x, &a.o, n * d)?;
     }
     Ok(())
@@ -409,7 +436,7 @@ pub fn response_logprobs<B: TrainBackend>(model: &Model<B>, seqs: &[TrainSeq], p
     let mut x = be.zeros(n * d)?;
     be.embed(&model.embed, &batch.ids, d, &mut x)?;
     let mut acts = Acts::new(model, n)?;
-    let mut merged = Merged::new(model.cfg.n_layers);
+    let mut merged = Merged::new(model);
     for l in 0..model.cfg.n_layers {
         merged.merge(model, policy, l, 0)?;
         layer_fwd(model, &merged.get(model, l, 0), &batch, &mut x, &mut acts, true)?;
@@ -477,7 +504,7 @@ fn grads_inner<B: TrainBackend, S>(
     let mut x = be.zeros(n * d)?;
     be.embed(&model.embed, &batch.ids, d, &mut x)?;
     let mut acts = Acts::new(model, n)?;
-    let mut merged = Merged::new(c.n_layers);
+    let mut merged = Merged::new(model);
     // The top `n_keep` layers keep their activations (the backward reaches them first).
     let n_keep = n_keep(n)?.min(c.n_layers);
     let keeps = |l: usize| l + n_keep >= c.n_layers;
@@ -563,27 +590,30 @@ fn grads_inner<B: TrainBackend, S>(
         // MLP: out = x_mid + down(swiglu(gate_up(rmsnorm(x_mid)))); input gradients through the
         // merged weights (LoRA included), then the LoRA pairs' own gradients
         prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.down, n, d, inter, &mut dact, false))?;
-        lora_grad(model, l, n, Proj::Down, &a.act, &dres, 0, d, gl)?;
+        let lazy = w.lora_layer.is_some(); // LoRA unmerged: its input gradients are added separately
+        lora_grad(model, l, n, Proj::Down, &a.act, &dres, 0, d, gl, lazy.then_some(&mut dact))?;
         be.swiglu_bwd(&a.gu, &dact, n, inter, &mut dgu)?;
         prof::time("train_matmul_dx", || be.matmul_dx(&dgu, w.gate_up, n, 2 * inter, d, &mut dhid, false))?;
-        lora_grad(model, l, n, Proj::Gate, &a.h2, &dgu, 0, 2 * inter, gl)?;
-        lora_grad(model, l, n, Proj::Up, &a.h2, &dgu, inter, 2 * inter, gl)?;
+        lora_grad(model, l, n, Proj::Gate, &a.h2, &dgu, 0, 2 * inter, gl, lazy.then_some(&mut dhid))?;
+        lora_grad(model, l, n, Proj::Up, &a.h2, &dgu, inter, 2 * inter, gl, lazy.then_some(&mut dhid))?;
         be.rmsnorm_bwd(&*xm, w.mlp_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
 
         // attention: x_mid = x + o(attn(rope(qkv(rmsnorm(x)))))
         prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.o, n, d, q_dim, &mut datt, false))?;
-        lora_grad(model, l, n, Proj::O, &a.att, &dres, 0, d, gl)?;
+        lora_grad(model, l, n, Proj::O, &a.att, &dres, 0, d, gl, lazy.then_some(&mut datt))?;
         prof::time("train_attn_bwd", || be.attn_dense_bwd(&a.qkv, &a.att, &datt, &a.lse, &batch.seqs, model.geom(), &mut dqkv))?;
         match (w.qk_norm, a.qkv_pre.as_ref()) {
             (Some((qn, kn)), Some(pre)) => be.qk_norm_rope_bwd(pre, qn, kn, c.rms_eps, &mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
             _ => be.rope_bwd(&mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
         }
-        for (p, col0) in [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)] {
-            lora_grad(model, l, n, p, &a.h1, &dqkv, col0, qkv_dim, gl)?;
-        }
         // The embeddings are frozen: below layer 0 no input gradient is needed.
         if l > 0 {
             prof::time("train_matmul_dx", || be.matmul_dx(&dqkv, w.qkv, n, qkv_dim, d, &mut dhid, false))?;
+        }
+        for (p, col0) in [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)] {
+            lora_grad(model, l, n, p, &a.h1, &dqkv, col0, qkv_dim, gl, (lazy && l > 0).then_some(&mut dhid))?;
+        }
+        if l > 0 {
             be.rmsnorm_bwd(&xin, w.attn_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
         }
     }
@@ -604,12 +634,13 @@ fn lora_grad<B: TrainBackend>(
     col0: usize,
     ld: usize,
     grads: &mut LayerGrads<B>,
+    dx: Option<&mut B::Buf>,
 ) -> Result<()> {
     let (Some((a, b, scale, r)), Some((ga, gb))) = (model.lora_pair(l, p), grads[p.index()].as_mut()) else {
         return Ok(());
     };
     let (din, dout) = p.dims(&model.cfg);
-    prof::time("train_lora_grad", || model.be.lora_bwd(x, a, b, scale, n, din, r, dout, dy, col0, ld, ga, gb, None))
+    prof::time("train_lora_grad", || model.be.lora_bwd(x, a, b, scale, n, din, r, dout, dy, col0, ld, ga, gb, dx))
 }
 
 /// A NaN/Inf met in the forward or backward pass. The trainer skips the step on it (the adapter

@@ -252,7 +252,7 @@ impl<B: Backend> Model<B> {
 
     /// Add the LoRA delta of (layer, proj), if the adapter has one, to a column slice of `out`.
     #[allow(clippy::too_many_arguments)]
-    fn lora_delta(&self, layer: usize, p: Proj, input: &B::Buf, m: usize, out: &mut B::Buf, col0: usize, ld: usize) -> Result<()> {
+    pub(crate) fn lora_delta(&self, layer: usize, p: Proj, input: &B::Buf, m: usize, out: &mut B::Buf, col0: usize, ld: usize) -> Result<()> {
         if let Some((a, b, scale, r)) = self.lora_pair(layer, p) {
             let (din, dout) = p.dims(&self.cfg);
             prof::time("lora", || self.be.lora(input, a, b, scale, m, din, r, dout, out, col0, ld))?;

@@ -2,12 +2,12 @@
 //! (rounded to nearest-even from f32 at load: `half::bf16::from_f32`'s bits), activations f32,
 //! rounded to bf16 on the fly, products accumulated in f32 by `vdpbf16ps` (AVX512_BF16).
 //!
-//! Why: on this 2-core Zen 5 the register-resident `vdpbf16ps` peak is 576 GFLOP/s per core,
-//! twice the f32 FMA peak (288), and decode streams half the weight bytes. Measured (best of
-//! repeated runs; the machine was shared, see `cargo bench --bench kernels -- bf16`): 4096-row
-//! products on SmolLM2-135M's shapes run at 890–1000 GFLOP/s on 2 threads (f32: 450–500), `dy W`
-//! at 780–990; decode streams 35–41 GiB/s of weights per core (the streaming-read bandwidth is
-//! 37–40 GiB/s per core, ~75 on both), so a decode product takes 40–50 % of the f32 time.
+//! Why: on this 2-core Zen 5 the register-resident `vdpbf16ps` peak measures 1110 GFLOP/s on
+//! both cores, twice the f32 FMA peak (570), and decode streams half the weight bytes. Measured
+//! (`cargo bench --bench kernels -- "bf16|machine"`, best of 3 runs on a shared machine):
+//! 4096-row `x Wᵀ` on SmolLM2-135M's shapes runs at 965–1010 GFLOP/s (f32: 475–510), `dy W` at
+//! 860–985 (f32: 475–510); decode streams 37–71 GiB/s of weights on 2 threads (streaming-read
+//! bandwidth: 70 GiB/s; 38 on one core), so a decode product takes 40–55 % of the f32 time.
 //!
 //! **Layout** (`PackedBf16`, made once at load). W is `[n, k]` row-major (HF: `y = x Wᵀ`). Its
 //! rows (the output columns) are cut into panels of NR = 32 and k into pairs (k odd: the last
@@ -57,7 +57,7 @@
 //! significant bits) or the smaller operand is under 2⁻²⁸ of the larger, an f32 value that both
 //! the exact and the f64 sum then round to. The results are the native bits (checked on random
 //! data, tiny data, random bit patterns), NaN payloads aside (which NaN propagates is not
-//! reproduced; where NaNs appear is). ~20× slower than `vdpbf16ps` (22–50 GFLOP/s here): a
+//! reproduced; where NaNs appear is). ~25× slower than `vdpbf16ps` (39 GFLOP/s on 2 threads): a
 //! correctness path; without AVX512_BF16 the f32 weights are faster.
 use super::matmul::SendPtr;
 use half::bf16;
@@ -877,7 +877,9 @@ mod tests {
     /// special neighbourhoods; the AVX-512 strip conversion gives the same words.
     #[test]
     fn rounding_matches_half() {
-        let specials = [0u32, 0x8000_0000, 0x0000_0001, 0x007f_ffff, 0x0080_0000, 0x007f_8000, 0x0000_8000, 0x3f80_8000, 0x3f81_8000, 0x3f80_8001, 0x7f7f_ffff, 0x7f7f_8000, 0x7f80_0000, 0xff80_0000, 0x7f80_0001, 0x7fc0_0000, 0xffff_ffff, 0x7fff_ffff];
+        // zeros, denormals, the largest denormal (rounds up to a normal), ties, overflow, inf, NaN
+        let specials = [0u32, 0x8000_0000, 0x0000_0001, 0x007f_ffff, 0x0080_0000, 0x007f_8000, 0x0000_8000, 0x3f80_8000, 0x3f81_8000];
+        let specials = specials.into_iter().chain([0x3f80_8001, 0x7f7f_ffff, 0x7f7f_8000, 0x7f80_0000, 0xff80_0000, 0x7f80_0001, 0x7fc0_0000, 0xffff_ffff, 0x7fff_ffff]);
         let stride = if cfg!(debug_assertions) { 4099 } else { 61 };
         let mut bits: Vec<u32> = (0..=u32::MAX).step_by(stride).collect();
         for s in specials {
@@ -963,7 +965,10 @@ mod tests {
         }
     }
 
-    const SHAPES: &[(usize, usize, usize)] = &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64)];
+    /// (m, k, n): m = 1, 2, 8, 12, 13, 37, 100; k = 1, odd, not a multiple of 32, several k
+    /// blocks (k > 640); n below, at and past panel edges.
+    const SHAPES: &[(usize, usize, usize)] =
+        &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64)];
 
     /// x Wᵀ + b against an f64 reference on the bf16-rounded inputs, within the worst-case bound
     /// of a sequential f32 sum: |err| ≤ (k + blocks + 2)·u·(Σ|x·w| + |b|), u = 2⁻²⁴.

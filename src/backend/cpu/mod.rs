@@ -41,6 +41,9 @@ pub enum WeightDtype {
 pub struct CpuBackend {
     threads: usize,
     weights: WeightDtype,
+    /// Keep LoRA unmerged in training with f32 weights too (tests: the unmerged passes against
+    /// the f32 fixtures, without bf16's rounding in the way).
+    unmerged: bool,
 }
 
 impl CpuBackend {
@@ -50,7 +53,12 @@ impl CpuBackend {
     }
     /// Weight matrices stored as `weights` (everything else is f32 either way).
     pub fn with_weights(weights: WeightDtype) -> Self {
-        CpuBackend { threads: rayon::current_num_threads(), weights }
+        CpuBackend { threads: rayon::current_num_threads(), weights, unmerged: false }
+    }
+    /// The training passes keep LoRA unmerged whatever the weight dtype (see `lora_unmerged`).
+    pub fn with_unmerged_lora(mut self) -> Self {
+        self.unmerged = true;
+        self
     }
     pub fn weight_dtype(&self) -> WeightDtype {
         self.weights
@@ -259,6 +267,10 @@ impl TrainBackend for CpuBackend {
             .and_then(|m| m.lines().find(|l| l.starts_with("MemAvailable:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok()))
             .unwrap_or(0);
         Ok((avail_kb * 1024 / 3).min(8 << 30))
+    }
+    /// bf16 weights stay packed in training: LoRA runs beside them (docs/DESIGN.md §3).
+    fn lora_unmerged(&self) -> bool {
+        self.weights == WeightDtype::Bf16 || self.unmerged
     }
     fn lora_merge(&self, w: &mut CpuBuf, row0: usize, a: &CpuBuf, b: &CpuBuf, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()> {
         ensure!(w.bf16().is_none(), "lora_merge: merge into an f32 copy of a bf16 weight (copy), not into the weight");
