@@ -14,13 +14,15 @@ cargo build --release
 SMOL="$(tools/fetch-smollm2.sh | tail -n 1)"
 B=target/release/infomem-engine
 AGENT=(--chunk-tokens 128 --memory-tokens 48 --answer-tokens 24 --extract first-number --templates examples/demo-templates.toml)
+# DTYPE=bf16 tools/demo.sh DIR: the same run with bf16 weights (every model command gets --dtype)
+DT=(); [ -n "${DTYPE:-}" ] && DT=(--dtype "$DTYPE")
 
 echo "== data: needle task, ~170-token documents (2 chunks of 128 tokens), numeric answers"
 [ -f "$OUT/train.jsonl" ] || $B data synth --task needle --tokens 170 --count 200 --seed 100 --model "$SMOL" --out "$OUT/train.jsonl"
 [ -f "$OUT/heldout.jsonl" ] || $B data synth --task needle --tokens 170 --count 50 --seed 200 --model "$SMOL" --out "$OUT/heldout.jsonl"
 
 echo "== base model on 50 held-out questions (greedy)"
-[ -f "$OUT/eval-base/results.json" ] || $B eval --model "$SMOL" --data "$OUT/heldout.jsonl" "${AGENT[@]}" --out "$OUT/eval-base"
+[ -f "$OUT/eval-base/results.json" ] || $B eval --model "$SMOL" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-base"
 
 echo "== GRPO training (examples/demo-train.toml)"
 if [ -f "$OUT/train/adapter/adapter_model.safetensors" ]; then
@@ -30,11 +32,11 @@ elif [ -d "$OUT/train/checkpoints" ]; then
 else
   # a run stopped before its first checkpoint left a non-empty --out: start it over
   OVERWRITE=(); [ -d "$OUT/train" ] && OVERWRITE=(--overwrite)
-  $B train --config examples/demo-train.toml --model "$SMOL" --data "$OUT/train.jsonl" --out "$OUT/train" "${OVERWRITE[@]}" "$@"
+  $B train --config examples/demo-train.toml --model "$SMOL" --data "$OUT/train.jsonl" --out "$OUT/train" "${OVERWRITE[@]}" "${DT[@]}" "$@"
 fi
 
 echo "== trained adapter on the same held-out questions (greedy)"
-$B eval --model "$SMOL" --adapter "$OUT/train/adapter" --data "$OUT/heldout.jsonl" "${AGENT[@]}" --out "$OUT/eval-trained"
+$B eval --model "$SMOL" --adapter "$OUT/train/adapter" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-trained"
 
 python3 - "$OUT" <<'PY'
 import json, sys
