@@ -29,19 +29,6 @@ fn tiny_bf16(arch: &str) -> Model<CpuBackend> {
     Model::load(&fixtures().join(format!("tiny-{arch}")), CpuBackend::with_weights(WeightDtype::Bf16)).unwrap()
 }
 
-/// Logits of every position through the prefill path (one step with all rows).
-fn logits_rows(m: &Model<CpuBackend>, ids: &[u32]) -> Vec<Vec<f32>> {
-    // decode path: one token per step, so every row's logits come back
-    let mut kv = runtime::kv_for(m, ids.len()).unwrap();
-    let mut seq = Seq::default();
-    (0..ids.len())
-        .map(|t| {
-            let mut e = [Entry { seq: &mut seq, tokens: &ids[t..t + 1], want: Want::Logits }];
-            m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap()
-        })
-        .collect()
-}
-
 #[test]
 fn bf16_logits_logprobs_and_gains_within_bf16_bounds() {
     let c = cases();
@@ -56,7 +43,7 @@ fn bf16_logits_logprobs_and_gains_within_bf16_bounds() {
             let v = shape[1];
             let mr = want.iter().fold(0f32, |a, &b| a.max(b.abs())).max(1.0) as f64;
             maxref = maxref.max(mr);
-            for (t, row) in logits_rows(&m, &ids).iter().enumerate() {
+            for (t, row) in logits_incremental(&m, &ids).iter().enumerate() {
                 for (j, &x) in row.iter().enumerate() {
                     worst_logit = worst_logit.max((x as f64 - want[t * v + j] as f64).abs() / mr);
                 }

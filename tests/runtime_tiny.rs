@@ -2,21 +2,9 @@
 //! every family (`common::ARCHS`) (tolerances from tests/fixtures/README.md), plus batching invariants.
 mod common;
 use common::*;
-use infomem_engine::backend::{Backend, SampleParams};
-use infomem_engine::runtime::{self, Entry, GenRequest, Model, SchedOptions, ScoreRequest, Seq, Want};
+use infomem_engine::backend::SampleParams;
+use infomem_engine::runtime::{self, Entry, GenRequest, SchedOptions, ScoreRequest, Seq, Want};
 use infomem_engine::util::rng::Rng;
-
-/// Logits of every position, one token per step (exercises the KV cache).
-fn logits_incremental<B: Backend>(m: &Model<B>, ids: &[u32]) -> Vec<Vec<f32>> {
-    let mut kv = runtime::kv_for(m, ids.len()).unwrap();
-    let mut seq = Seq::default();
-    let mut out = vec![];
-    for t in 0..ids.len() {
-        let mut e = [Entry { seq: &mut seq, tokens: &ids[t..t + 1], want: Want::Logits }];
-        out.push(m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap());
-    }
-    out
-}
 
 fn check_logits(got: &[Vec<f32>], shape: &[usize], want: &[f32], what: &str) {
     let v = shape[1];

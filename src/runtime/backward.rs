@@ -251,9 +251,13 @@ impl<B: TrainBackend> Merged<B> {
         Merged { slots: (0..=model.cfg.n_layers).map(|_| None).collect(), lazy: model.be.lora_unmerged(), policy: Policy::Current }
     }
 
-    /// Bytes one slot holds (f32 on the CPU, the only backend that keeps slots).
+    /// Bytes one slot holds (f32 on the CPU, the only backend that keeps slots); none when the
+    /// backend keeps LoRA unmerged (`merge` then allocates no slot).
     fn slot_bytes(model: &Model<B>) -> usize {
         let be = &model.be;
+        if be.lora_unmerged() {
+            return 0;
+        }
         let w = &model.layers[0];
         4 * (be.len(&w.qkv) + be.len(&w.o) + be.len(&w.gate_up) + be.len(&w.down))
     }

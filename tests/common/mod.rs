@@ -44,6 +44,19 @@ pub fn tiny(arch: &str) -> Model<CpuBackend> {
     Model::load(&fixtures().join(format!("tiny-{arch}")), CpuBackend::new()).unwrap()
 }
 
+/// Logits of every position, one token per step (exercises the KV cache).
+#[allow(dead_code)]
+pub fn logits_incremental<B: infomem_engine::backend::Backend>(m: &Model<B>, ids: &[u32]) -> Vec<Vec<f32>> {
+    let mut kv = infomem_engine::runtime::kv_for(m, ids.len()).unwrap();
+    let mut seq = infomem_engine::runtime::Seq::default();
+    let mut out = vec![];
+    for t in 0..ids.len() {
+        let mut e = [infomem_engine::runtime::Entry { seq: &mut seq, tokens: &ids[t..t + 1], want: infomem_engine::runtime::Want::Logits }];
+        out.push(m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap());
+    }
+    out
+}
+
 pub fn log_softmax(row: &[f32]) -> Vec<f64> {
     let m = row.iter().map(|&x| x as f64).fold(f64::NEG_INFINITY, f64::max);
     let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
