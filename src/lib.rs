@@ -13,4 +13,5 @@ pub mod model;
 pub mod reward;
 pub mod rl;
 pub mod runtime;
+pub mod study;
 pub mod util;

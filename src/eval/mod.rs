@@ -31,14 +31,56 @@ pub struct EvalRow {
     pub lost_after_peak: Option<f64>,
 }
 
+/// Length buckets for documents of measured (unpadded) lengths: sorted, a bucket grows while a
+/// length is within 25 % of the bucket's shortest, and is named by its (lower) median length. Returns
+/// each input's bucket label. Documents made to a few target lengths (±10 %, say) fall into one
+/// bucket per target instead of one row per exact token count.
+pub fn bucket_lengths(lens: &[usize]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| lens[i]);
+    let mut label = vec![0; lens.len()];
+    let mut start = 0;
+    while start < order.len() {
+        let lo = lens[order[start]];
+        let mut end = start + 1;
+        while end < order.len() && lens[order[end]] as f64 <= 1.25 * lo as f64 {
+            end += 1;
+        }
+        let median = lens[order[start + (end - start - 1) / 2]];
+        for &i in &order[start..end] {
+            label[i] = median;
+        }
+        start = end;
+    }
+    label
+}
+
+/// Per (task, length) rows, then one overall row (task "all", length 0: every question).
 pub fn summarize(items: &[Evaluated]) -> Vec<EvalRow> {
     let mut groups: BTreeMap<(String, usize), Vec<&Trajectory>> = BTreeMap::new();
     for it in items {
         groups.entry((it.task.clone(), it.length)).or_default().push(it.traj);
     }
-    groups
-        .into_iter()
-        .map(|((task, length), ts)| {
+    let all: Vec<&Trajectory> = items.iter().map(|it| it.traj).collect();
+    let mut rows: Vec<EvalRow> = groups.into_iter().map(|((task, length), ts)| row(task, length, ts)).collect();
+    if !all.is_empty() {
+        rows.push(row(OVERALL.into(), 0, all));
+    }
+    rows
+}
+
+/// The task name of the overall row.
+pub const OVERALL: &str = "all";
+
+impl EvalRow {
+    pub fn is_overall(&self) -> bool {
+        self.task == OVERALL && self.length == 0
+    }
+}
+
+fn row(task: String, length: usize, ts: Vec<&Trajectory>) -> EvalRow {
+    {
+        {
             let n = ts.len();
             let mean = |f: &dyn Fn(&Trajectory) -> f64| ts.iter().map(|t| f(t)).sum::<f64>() / n as f64;
             let gains: Vec<f64> = ts.iter().filter_map(|t| t.gain).collect();
@@ -79,8 +121,8 @@ pub fn summarize(items: &[Evaluated]) -> Vec<EvalRow> {
                 memory_curve,
                 lost_after_peak,
             }
-        })
-        .collect()
+        }
+    }
 }
 
 pub fn markdown_table(rows: &[EvalRow]) -> String {
@@ -88,8 +130,8 @@ pub fn markdown_table(rows: &[EvalRow]) -> String {
     for r in rows {
         s.push_str(&format!(
             "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} |\n",
-            r.task,
-            r.length,
+            if r.is_overall() { "**all**".to_string() } else { r.task.clone() },
+            if r.is_overall() { "all".to_string() } else { r.length.to_string() },
             r.n,
             r.em,
             r.sub_em,
@@ -105,9 +147,14 @@ pub fn markdown_table(rows: &[EvalRow]) -> String {
 /// were scored) into `dir`.
 pub fn write_report(dir: &Path, rows: &[EvalRow], title: &str, extra: serde_json::Value) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let json = serde_json::json!({ "title": title, "rows": rows, "run": extra });
+    // "rows" ends with the overall row (task "all", length 0), also given as "overall"
+    let overall = rows.iter().find(|r| r.is_overall());
+    let json = serde_json::json!({ "title": title, "rows": rows, "overall": overall, "run": extra });
     crate::util::fs::write_atomic_str(&dir.join("results.json"), &serde_json::to_string_pretty(&json)?)?;
     crate::util::fs::write_atomic_str(&dir.join("results.md"), &format!("# {title}\n\n{}", markdown_table(rows)))?;
+    // the plots show the per-length rows
+    let rows: Vec<EvalRow> = rows.iter().filter(|r| !r.is_overall()).cloned().collect();
+    let rows = &rows[..];
     let mut tasks: Vec<&str> = rows.iter().map(|r| r.task.as_str()).collect();
     tasks.dedup();
     let mut series = Vec::new();
@@ -149,4 +196,45 @@ pub fn write_report(dir: &Path, rows: &[EvalRow], title: &str, extra: serde_json
         .save_png(&dir.join("memory_curve.png"), 900, 560)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_group_near_lengths_and_name_them_by_the_median() {
+        // three sets around 190, 530 and 1040 tokens, shuffled
+        let lens = [187, 531, 1038, 193, 190, 526, 1046, 185, 540, 1040, 199];
+        let b = bucket_lengths(&lens);
+        assert_eq!(b, vec![190, 531, 1040, 190, 190, 531, 1040, 190, 531, 1040, 190]);
+        // a chain of lengths each within 25 % of the previous one still splits, at 1.25x the
+        // bucket's shortest
+        assert_eq!(bucket_lengths(&[100, 120, 125, 126, 150]), vec![120, 120, 120, 126, 126]);
+        assert_eq!(bucket_lengths(&[]), Vec::<usize>::new());
+        assert_eq!(bucket_lengths(&[7]), vec![7]);
+    }
+
+    #[test]
+    fn summary_ends_with_an_overall_row() {
+        let mk = |em: f64| {
+            let mut t = Trajectory::start("q", 0, 0, "(empty)", &["1".to_string()], false);
+            (t.em, t.sub_em, t.f1) = (em, em, em);
+            t
+        };
+        let ts = [mk(1.0), mk(0.0), mk(1.0), mk(1.0)];
+        let items: Vec<Evaluated> = ts
+            .iter()
+            .zip([("a", 100), ("a", 100), ("a", 400), ("b", 100)])
+            .map(|(t, (task, length))| Evaluated { task: task.into(), length, traj: t })
+            .collect();
+        let rows = summarize(&items);
+        assert_eq!(rows.len(), 4);
+        assert_eq!((rows[0].task.as_str(), rows[0].length, rows[0].n, rows[0].em), ("a", 100, 2, 0.5));
+        let all = rows.last().unwrap();
+        assert!(all.is_overall());
+        assert_eq!((all.n, all.em), (4, 0.75));
+        let md = markdown_table(&rows);
+        assert!(md.lines().last().unwrap().starts_with("| **all** | all | 4 | 0.750 |"), "{md}");
+    }
 }

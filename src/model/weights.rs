@@ -129,6 +129,17 @@ impl SafetensorsSet {
         Ok(SafetensorsSet { maps, index })
     }
 
+    /// Drop the mapped pages read so far from this process's resident memory (they stay in the
+    /// page cache; a later read faults them back in). Loading calls it after each layer, so the
+    /// checkpoint's bytes are not resident beside the converted weights.
+    pub fn release_pages(&self) {
+        for (_, map) in &self.maps {
+            // Safety: a read-only file mapping: DONTNEED only drops clean pages, whose contents
+            // a later access reads back from the file; no reference into them is live here.
+            let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(|s| s.as_str())
     }
@@ -226,10 +237,36 @@ impl ModelWeights {
     }
 
     pub fn from_set(set: &SafetensorsSet, cfg: &ModelConfig) -> Result<Self> {
+        Self::check_unused(set, cfg)?;
+        let embed = Self::embed(set, cfg)?;
+        let layers = (0..cfg.n_layers).map(|l| Self::layer(set, cfg, l)).collect::<Result<Vec<_>>>()?;
+        let (final_norm, lm_head) = Self::final_norm_and_head(set, cfg)?;
+        Ok(ModelWeights { embed, layers, final_norm, lm_head })
+    }
+
+    /// The token embeddings `[vocab, hidden]`.
+    pub fn embed(set: &SafetensorsSet, cfg: &ModelConfig) -> Result<HostTensor> {
+        set.get_f32("model.embed_tokens.weight", Some(&[cfg.vocab, cfg.hidden]))
+    }
+
+    /// The final norm and the untied head (`None` when tied to the embeddings).
+    pub fn final_norm_and_head(set: &SafetensorsSet, cfg: &ModelConfig) -> Result<(HostTensor, Option<HostTensor>)> {
+        let d = cfg.hidden;
+        let final_norm = set.get_f32("model.norm.weight", Some(&[d]))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else if set.contains("lm_head.weight") {
+            Some(set.get_f32("lm_head.weight", Some(&[cfg.vocab, d]))?)
+        } else {
+            bail!("lm_head.weight is missing and config.json does not set tie_word_embeddings = true");
+        };
+        Ok((final_norm, lm_head))
+    }
+
+    /// Layer `l`'s tensors, q/k/v and gate/up fused.
+    pub fn layer(set: &SafetensorsSet, cfg: &ModelConfig, l: usize) -> Result<LayerWeights> {
         let (d, q, kv, i) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-        let embed = set.get_f32("model.embed_tokens.weight", Some(&[cfg.vocab, d]))?;
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
+        {
             let p = format!("model.layers.{l}");
             let g = |n: &str, s: &[usize]| set.get_f32(&format!("{p}.{n}"), Some(s));
             let qkv = concat_rows(vec![
@@ -252,7 +289,7 @@ impl ModelWeights {
             } else {
                 None
             };
-            layers.push(LayerWeights {
+            Ok(LayerWeights {
                 attn_norm: g("input_layernorm.weight", &[d])?,
                 qkv,
                 qkv_bias,
@@ -262,16 +299,12 @@ impl ModelWeights {
                 mlp_norm: g("post_attention_layernorm.weight", &[d])?,
                 gate_up: concat_rows(vec![g("mlp.gate_proj.weight", &[i, d])?, g("mlp.up_proj.weight", &[i, d])?]),
                 down: g("mlp.down_proj.weight", &[d, i])?,
-            });
+            })
         }
-        let final_norm = set.get_f32("model.norm.weight", Some(&[d]))?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else if set.contains("lm_head.weight") {
-            Some(set.get_f32("lm_head.weight", Some(&[cfg.vocab, d]))?)
-        } else {
-            bail!("lm_head.weight is missing and config.json does not set tie_word_embeddings = true");
-        };
+    }
+
+    /// Refuse a checkpoint with tensors the config does not describe (checked before any load).
+    pub fn check_unused(set: &SafetensorsSet, cfg: &ModelConfig) -> Result<()> {
         // A tensor nothing above read is a part of the model the engine does not compute (a bias,
         // a norm, an extra block): running without it would give silently wrong outputs.
         let used = |n: &str| -> bool {
@@ -302,7 +335,7 @@ impl ModelWeights {
                 unused.join(", ")
             );
         }
-        Ok(ModelWeights { embed, layers, final_norm, lm_head })
+        Ok(())
     }
 
     /// The unfused HF tensors (for merge/export): name → tensor.

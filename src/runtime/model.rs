@@ -3,7 +3,7 @@ use crate::backend::{AttnGeom, Backend};
 use crate::model::config::ModelConfig;
 use crate::model::lora::{LoraAdapter, Proj, ALL_PROJS};
 use crate::model::tokenizer::TextTokenizer;
-use crate::model::weights::ModelWeights;
+use crate::model::weights::{HostTensor, ModelWeights, SafetensorsSet};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -45,6 +45,12 @@ pub struct Model<B: Backend> {
     pub page_size: usize,
 }
 
+/// A frozen `[n, k]` matrix in the backend's weight dtype (norms and biases stay f32).
+fn upload_matrix<B: Backend>(be: &B, t: HostTensor) -> Result<B::Buf> {
+    let (n, k) = (t.shape[0], t.data.len() / t.shape[0].max(1));
+    be.upload_weight(t.data, n, k)
+}
+
 impl<B: Backend> Model<B> {
     /// Load an HF model directory onto `be`.
     pub fn load(dir: &Path, be: B) -> Result<Self> {
@@ -61,7 +67,8 @@ impl<B: Backend> Model<B> {
             Err(e) => return Err(e).with_context(|| format!("cannot access model directory {}", dir.display())),
         }
         let cfg = ModelConfig::load(dir)?;
-        let weights = ModelWeights::load(dir, &cfg)?;
+        let set = SafetensorsSet::open_dir(dir)?;
+        ModelWeights::check_unused(&set, &cfg).with_context(|| format!("loading weights from {}", dir.display()))?;
         let tokenizer = TextTokenizer::load(dir, &cfg.eos_token_ids)?;
         if let Some(t) = &tokenizer {
             if t.vocab_size() > cfg.vocab {
@@ -80,45 +87,55 @@ impl<B: Backend> Model<B> {
                 );
             }
         }
-        Self::from_weights(cfg, weights, tokenizer, be, dir)
+        Self::stream_weights(cfg, &set, tokenizer, be, dir).with_context(|| format!("loading weights from {}", dir.display()))
+    }
+
+    /// `from_weights` one layer at a time: each layer is read from the checkpoint, converted and
+    /// uploaded before the next, and the mapped file pages are released after each, so peak
+    /// memory is the model in the backend's dtype plus one layer in f32 (with bf16 weights, about
+    /// half the f32 model) instead of the f32 model plus the checkpoint.
+    fn stream_weights(cfg: ModelConfig, set: &SafetensorsSet, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Result<Self> {
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            layers.push(Self::upload_layer(&be, ModelWeights::layer(set, &cfg, l)?)?);
+            set.release_pages();
+        }
+        let embed = upload_matrix(&be, ModelWeights::embed(set, &cfg)?)?;
+        set.release_pages();
+        let (final_norm, lm_head) = ModelWeights::final_norm_and_head(set, &cfg)?;
+        let lm_head = lm_head.map(|t| upload_matrix(&be, t)).transpose()?;
+        set.release_pages();
+        let final_norm = be.upload_vec(final_norm.data)?;
+        Ok(Self::assemble(cfg, embed, final_norm, lm_head, layers, tokenizer, be, dir))
+    }
+
+    fn upload_layer(be: &B, l: crate::model::weights::LayerWeights) -> Result<DeviceLayer<B>> {
+        let up = |t: HostTensor| be.upload_vec(t.data);
+        Ok(DeviceLayer {
+            attn_norm: up(l.attn_norm)?,
+            qkv: upload_matrix(be, l.qkv)?,
+            qkv_bias: l.qkv_bias.map(up).transpose()?,
+            qk_norm: l.qk_norm.map(|(q, k)| Ok::<_, anyhow::Error>((up(q)?, up(k)?))).transpose()?,
+            o: upload_matrix(be, l.o)?,
+            o_bias: l.o_bias.map(up).transpose()?,
+            mlp_norm: up(l.mlp_norm)?,
+            gate_up: upload_matrix(be, l.gate_up)?,
+            down: upload_matrix(be, l.down)?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(cfg: ModelConfig, embed: B::Buf, final_norm: B::Buf, lm_head: Option<B::Buf>, layers: Vec<DeviceLayer<B>>, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Self {
+        let inv_freq = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
+        Model { embed, final_norm, lm_head, layers, inv_freq, tokenizer, lora: None, lora_enabled: true, page_size: 64, cfg, be, dir: dir.to_path_buf() }
     }
 
     pub fn from_weights(cfg: ModelConfig, w: ModelWeights, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Result<Self> {
-        let up = |t: crate::model::weights::HostTensor| be.upload_vec(t.data);
-        // frozen matrices in the backend's weight dtype (norms and biases stay f32)
-        let mat = |t: crate::model::weights::HostTensor| {
-            let (n, k) = (t.shape[0], t.data.len() / t.shape[0].max(1));
-            be.upload_weight(t.data, n, k)
-        };
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for l in w.layers {
-            layers.push(DeviceLayer {
-                attn_norm: up(l.attn_norm)?,
-                qkv: mat(l.qkv)?,
-                qkv_bias: l.qkv_bias.map(up).transpose()?,
-                qk_norm: l.qk_norm.map(|(q, k)| Ok::<_, anyhow::Error>((up(q)?, up(k)?))).transpose()?,
-                o: mat(l.o)?,
-                o_bias: l.o_bias.map(up).transpose()?,
-                mlp_norm: up(l.mlp_norm)?,
-                gate_up: mat(l.gate_up)?,
-                down: mat(l.down)?,
-            });
-        }
-        let inv_freq = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
-        Ok(Model {
-            embed: mat(w.embed)?,
-            final_norm: up(w.final_norm)?,
-            lm_head: w.lm_head.map(mat).transpose()?,
-            layers,
-            inv_freq,
-            tokenizer,
-            lora: None,
-            lora_enabled: true,
-            page_size: 64,
-            cfg,
-            be,
-            dir: dir.to_path_buf(),
-        })
+        let layers = w.layers.into_iter().map(|l| Self::upload_layer(&be, l)).collect::<Result<Vec<_>>>()?;
+        let embed = upload_matrix(&be, w.embed)?;
+        let final_norm = be.upload_vec(w.final_norm.data)?;
+        let lm_head = w.lm_head.map(|t| upload_matrix(&be, t)).transpose()?;
+        Ok(Self::assemble(cfg, embed, final_norm, lm_head, layers, tokenizer, be, dir))
     }
 
     /// The output head (the embeddings when tied).

@@ -47,6 +47,27 @@
 //! m (no small-m kernel with another), and a batch equals its rows one by one bit for bit
 //! (`rows_are_batch_invariant`, 1–3 threads, both kernels).
 //!
+//! **AMX** (Intel Sapphire Rapids and later: `amx_available`, off with `INFOMEM_AMX=0`). There
+//! `vdpbf16ps` issues at half the f32 FMA rate (measured on a 2-core Xeon with AMX: 237 GFLOP/s
+//! bf16 peak vs 469 f32, the 4096-row products at 220 GFLOP/s), while `tdpbf16ps` multiplies a
+//! 16-row × 32-bf16 tile by a 32 × 16 tile per instruction. The packed panels are already its B
+//! operand (a pair row of a panel is 32 words = two 16-column tile rows, loaded with a 128-byte
+//! stride), and the converted A rows are its A operand; the driver is the same, with strips of 32
+//! rows (A padded with zero rows to whole strips) and one panel per call: 4 accumulator tiles, 2 A
+//! and 2 B tiles, per 16-pair step 4 tile loads and 4 `tdpbf16ps`. Each k block's 32 × 32 sums go
+//! to a scratch tile and into C as the other kernels store them. It takes the products whose k
+//! blocks are whole 16-pair steps (`amx_fits`; SmolLM2's reductions 576, 960, 1536, 3072 all are),
+//! chosen per product, never per row count: each element's `tdpbf16ps` sequence does not depend
+//! on the other rows, so rows stay batch invariant (tested, 1–3 threads). Its bits are not the
+//! `vdpbf16ps` order's (the hardware's internal order and precision differ; within the same f64
+//! bounds). Measured on that Xeon (`cargo bench --bench kernels -- "bf16 gemm"`): 4096-row
+//! products 980–1450 GFLOP/s (vdpbf16ps 210–225, f32 270–325). Strips of ≤ 16 valid rows
+//! (decode) take `block16`: one A tile and two alternating sets of B tiles, so the next step's
+//! loads overlap this step's products (the same `tdpbf16ps` sequence per element: same bits).
+//! Decode then streams 14–23 GiB/s of bf16 weights at 1 row (12–20 with the 32-row strip;
+//! vdpbf16ps 17–29; read bandwidth 23): still faster than f32 per product (half the bytes), but
+//! below `vdpbf16ps` — software prefetch did not help; this is where the AMX path has room left.
+//!
 //! **Portable path** (no AVX512_BF16, `Kernel::Portable`, or `INFOMEM_BF16_PORTABLE=1`): the
 //! same driver and packed data; each pair row of a panel is widened to f32 (denormals to zero)
 //! and the same two FMAs per pair run in f32 lanes, the flush as a compare-and-select. One case
@@ -68,6 +89,8 @@ use std::cell::RefCell;
 pub const NR: usize = 32;
 /// Rows per microkernel strip.
 pub const MR: usize = 12;
+/// Rows per strip of the AMX kernel: two 16-row A tiles.
+const AMX_MR: usize = 32;
 /// Reductions of up to this many pairs are one k block (a 12-row strip is then ≤ 15 KiB).
 const KC_ONE: usize = 320;
 /// Longer reductions are cut into equal blocks of at most this many pairs.
@@ -119,6 +142,9 @@ pub enum Kernel {
     Auto,
     /// `vdpbf16ps`; panics without AVX512_BF16.
     Native,
+    /// AMX tiles (`tdpbf16ps`) where the reduction allows it (see `amx_fits`), else `vdpbf16ps`;
+    /// panics without AMX-BF16 (or without the kernel's permission to use it).
+    Amx,
     /// f32 FMAs emulating `vdpbf16ps` (any CPU).
     Portable,
 }
@@ -142,16 +168,87 @@ fn forced_portable() -> bool {
     *FORCED.get_or_init(|| std::env::var_os("INFOMEM_BF16_PORTABLE").is_some_and(|v| !v.is_empty() && v != "0"))
 }
 
+/// The microkernel a product runs on (chosen per call from the kernel and the reduction only, so
+/// every row of a product, alone or in any batch, takes the same one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Micro {
+    Amx,
+    Avx512,
+    Portable,
+}
+
 impl Kernel {
-    fn native(self) -> bool {
+    /// The microkernel for a reduction of `pairs` pairs in k blocks of `kc`.
+    fn micro(self, pairs: usize, kc: usize) -> Micro {
         match self {
-            Kernel::Auto => native_available() && !forced_portable(),
+            Kernel::Auto if native_available() && !forced_portable() => {
+                if amx_available() && amx_fits(pairs, kc) {
+                    Micro::Amx
+                } else {
+                    Micro::Avx512
+                }
+            }
+            Kernel::Auto | Kernel::Portable => Micro::Portable,
             Kernel::Native => {
                 assert!(native_available(), "gemm_bf16: Kernel::Native needs AVX512_BF16, which this CPU lacks");
-                true
+                Micro::Avx512
             }
-            Kernel::Portable => false,
+            Kernel::Amx => {
+                assert!(amx_available(), "gemm_bf16: Kernel::Amx needs AMX-BF16, which this CPU (or its kernel) does not allow");
+                if amx_fits(pairs, kc) {
+                    Micro::Amx
+                } else {
+                    Micro::Avx512
+                }
+            }
         }
+    }
+}
+
+/// Whether the AMX kernel takes a reduction: every k block a whole number of 16-pair tile steps
+/// (SmolLM2's 576, 1536 and 960, Qwen's 896, 2048, 4096… do; a remainder would need a second
+/// tile shape, and the `vdpbf16ps` kernel serves those).
+fn amx_fits(pairs: usize, kc: usize) -> bool {
+    pairs % 16 == 0 && kc % 16 == 0
+}
+
+/// Whether this process may run the AMX kernel: the CPU has AMX-TILE and AMX-BF16 (and
+/// AVX512_BF16, whose conversion the driver shares), `INFOMEM_AMX` is not "0", and Linux granted
+/// the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, once per process, for all threads).
+pub fn amx_available() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        if std::env::var_os("INFOMEM_AMX").is_some_and(|v| v == "0") || !native_available() {
+            return false;
+        }
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+            let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+            if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // Safety: a plain syscall; it fails (and we fall back) on kernels without AMX support
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        {
+            false
+        }
+    })
+}
+
+/// The microkernel `matmul_bf16` uses for a `[·, k]` product on this machine ("amx",
+/// "avx512-bf16" or "portable"), for reports.
+pub fn kernel_name(k: usize) -> &'static str {
+    let pairs = k.div_ceil(2);
+    match Kernel::Auto.micro(pairs, k_block_pairs(pairs)) {
+        Micro::Amx => "amx",
+        Micro::Avx512 => "avx512-bf16",
+        Micro::Portable => "portable",
     }
 }
 
@@ -326,7 +423,7 @@ pub fn matmul_bf16_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usiz
         bias: bias.map_or(SendPtr(std::ptr::null_mut()), |b| SendPtr(b.as_ptr() as *mut f32)),
         accumulate: false,
         src: Source::Forward(w),
-        native: kernel.native(),
+        micro: kernel.micro(w.pairs, w.kc),
     };
     job.run(parallel);
 }
@@ -363,7 +460,7 @@ pub fn matmul_dx_bf16_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: us
         bias: SendPtr(std::ptr::null_mut()),
         accumulate,
         src: Source::Transposed(w),
-        native: kernel.native(),
+        micro: kernel.micro(pairs, k_block_pairs(pairs)),
     };
     job.run(parallel);
 }
@@ -392,7 +489,7 @@ struct Job<'a> {
     bias: SendPtr<f32>,
     accumulate: bool,
     src: Source<'a>,
-    native: bool,
+    micro: Micro,
 }
 
 thread_local! {
@@ -405,11 +502,13 @@ thread_local! {
 impl Job<'_> {
     fn run(&self, parallel: bool) {
         let threads = if parallel && self.m * self.cols * self.red >= 1 << 16 { rayon::current_num_threads() } else { 1 };
-        // A is converted once per call, in batches of rows of at most CONVERTED_BYTES.
-        let batch = self.m.min((CONVERTED_BYTES / (self.pairs * 4) / MR).max(1) * MR);
+        // A is converted once per call, in batches of rows of at most CONVERTED_BYTES. The AMX
+        // kernel reads strips of AMX_MR rows: the batch's last strip is padded with zero rows.
+        let mr = if self.micro == Micro::Amx { AMX_MR } else { MR };
+        let batch = self.m.min((CONVERTED_BYTES / (self.pairs * 4) / mr).max(1) * mr);
         let mut conv = CONVERTED.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        if conv.len() < batch * self.pairs {
-            conv.resize(batch * self.pairs, 0); // grown only: every row used is written first
+        if conv.len() < batch.next_multiple_of(mr) * self.pairs {
+            conv.resize(batch.next_multiple_of(mr) * self.pairs, 0); // grown only: every row used is written first
         }
         let cp = SendPtr(conv.as_mut_ptr());
         for rb in (0..self.m).step_by(batch) {
@@ -417,7 +516,7 @@ impl Job<'_> {
             let convert = |piece: usize| {
                 let (i0, i1) = (piece * CONVERT_ROWS, ((piece + 1) * CONVERT_ROWS).min(rows));
                 // Safety: rows rb+i0..rb+i1 of A exist; pieces write disjoint rows of `conv`.
-                unsafe { convert_strip(self.a.get().add((rb + i0) * self.red), self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.native) }
+                unsafe { convert_strip(self.a.get().add((rb + i0) * self.red), self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable) }
             };
             let pieces = rows.div_ceil(CONVERT_ROWS);
             if threads > 1 && pieces > 1 {
@@ -425,17 +524,20 @@ impl Job<'_> {
             } else {
                 (0..pieces).for_each(convert);
             }
-            self.run_rows(rb, rows, cp.get(), threads);
+            if mr == AMX_MR {
+                conv[rows * self.pairs..rows.next_multiple_of(mr) * self.pairs].fill(0);
+            }
+            self.run_rows(rb, rows, cp.get(), threads, mr);
         }
         CONVERTED.with(|s| *s.borrow_mut() = conv);
     }
 
     /// Rows `rb..rb+rows`, converted at `conv` (row stride `pairs`), split into tasks.
-    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, threads: usize) {
+    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, threads: usize, mr: usize) {
         // Columns: runs of panels whose k block fits CHUNK_BYTES, equal-sized; decode (one strip)
         // splits into ~4 runs per thread for balance.
         let cap = (CHUNK_BYTES / (self.kc * NR * 4)).max(1);
-        let strips = rows.div_ceil(MR);
+        let strips = rows.div_ceil(mr);
         let mut chunks = self.panels.div_ceil(cap);
         if threads > 1 && strips == 1 {
             chunks = chunks.max((4 * threads).min(self.panels));
@@ -451,7 +553,7 @@ impl Job<'_> {
             }
             groups = groups.min(strips);
         }
-        let per_group = strips.div_ceil(groups) * MR;
+        let per_group = strips.div_ceil(groups) * mr;
         let groups = rows.div_ceil(per_group);
         let conv = SendPtr(conv as *mut u32);
         let task = |t: usize| {
@@ -480,6 +582,10 @@ impl Job<'_> {
             }
         }
         let blocks = self.pairs.div_ceil(self.kc);
+        #[cfg(target_arch = "x86_64")]
+        if self.micro == Micro::Amx {
+            amx::configure();
+        }
         for b in 0..blocks {
             let q0 = b * self.kc;
             let kb = self.kc.min(self.pairs - q0);
@@ -491,6 +597,11 @@ impl Job<'_> {
                     d
                 }
             };
+            #[cfg(target_arch = "x86_64")]
+            if self.micro == Micro::Amx {
+                self.block_amx(b, blocks, q0, kb, panels, p0, p1, r0, r1, a);
+                continue;
+            }
             let mut i = r0;
             while i < r1 {
                 let rows = MR.min(r1 - i);
@@ -510,13 +621,59 @@ impl Job<'_> {
                         bias: if b + 1 == blocks && !self.bias.get().is_null() { self.bias.get().add(j0) } else { std::ptr::null() },
                         first: i == r0,
                     };
-                    pn += t.run(rows, p1 - pn, self.native);
+                    pn += t.run(rows, p1 - pn, self.micro == Micro::Avx512);
                 }
                 i += rows;
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.micro == Micro::Amx {
+            amx::release();
+        }
         if let Source::Transposed(_) = self.src {
             REPACK.with(|s| *s.borrow_mut() = repack);
+        }
+    }
+
+    /// k block `b` (pairs `q0..q0+kb`) of panels `p0..p1` × rows `r0..r1` on AMX tiles: strips of
+    /// 32 rows (A is padded to whole strips) × one panel; each strip-panel's 32 × 32 block sums
+    /// go through a scratch tile into C with the other kernels' store (`Tile::store`: the first
+    /// block stores, later ones add, the bias after the last).
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block_amx(&self, b: usize, blocks: usize, q0: usize, kb: usize, panels: *const u32, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
+        let mut acc = amx::Sums([0f32; AMX_MR * NR]);
+        let overwrite = b == 0 && !self.accumulate;
+        let bias = if b + 1 == blocks { self.bias.get() as *const f32 } else { std::ptr::null() };
+        let mut i = r0;
+        while i < r1 {
+            let rows = AMX_MR.min(r1 - i);
+            for pn in p0..p1 {
+                let j0 = pn * NR;
+                // the task's first strip streams the panels from memory: prefetch them ahead
+                let (ai, bp) = (a.add((i - r0) * self.pairs + q0), panels.add((pn - p0) * kb * NR));
+                if rows <= 16 {
+                    // decode: one A tile; the same tdpbf16ps sequence per element (same bits)
+                    amx::block16(ai, self.pairs, bp, kb, &mut acc);
+                } else {
+                    amx::block(ai, self.pairs, bp, kb, &mut acc, i == r0);
+                }
+                let cols = (self.cols - j0).min(NR);
+                for r in 0..rows {
+                    let c = std::slice::from_raw_parts_mut(self.c.get().add((i + r) * self.cols + j0), cols);
+                    let s = &acc.0[r * NR..r * NR + cols];
+                    if !overwrite {
+                        c.iter_mut().zip(s).for_each(|(c, &s)| *c = s + *c);
+                    } else {
+                        c.copy_from_slice(s);
+                    }
+                    if !bias.is_null() {
+                        let bs = std::slice::from_raw_parts(bias.add(j0), cols);
+                        c.iter_mut().zip(bs).for_each(|(c, &b)| *c += b);
+                    }
+                }
+            }
+            i += AMX_MR;
         }
     }
 }
@@ -727,6 +884,156 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
     }
 }
 
+/// The AMX microkernel (`tdpbf16ps`: per output element and 16-pair step, the 32 products of a
+/// tile row with a tile column summed into the f32 accumulator; the hardware's order and internal
+/// precision are not those of `vdpbf16ps`, so AMX results differ from the other kernels' in the
+/// last bits, measured within the same bf16 bounds; each element's operations still do not depend
+/// on the other rows, so batches equal their rows one by one). Stable Rust has no AMX intrinsics:
+/// the instructions are written as inline assembly; the tile registers are not known to the
+/// compiler, which never uses them.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::{AMX_MR, NR};
+    use std::arch::asm;
+
+    /// The 32 × 32 f32 sums of one strip and panel (row stride NR).
+    #[repr(C, align(64))]
+    pub struct Sums(pub [f32; AMX_MR * NR]);
+
+    #[repr(C, align(64))]
+    struct TileCfg {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        colsb: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    /// Palette 1, tiles 0–7 each 16 rows × 64 bytes: tmm0–3 the sums (rows 0–15 / 16–31 × columns
+    /// 0–15 / 16–31), tmm4–5 A (16 rows × 16 pairs), tmm6–7 the panel's column halves (16 pairs
+    /// × 16 columns). Per thread; `task` calls it before its first block.
+    pub unsafe fn configure() {
+        let mut cfg = TileCfg { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        for t in 0..8 {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
+        asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
+    }
+
+    /// Drop the tile state (a thread without it has smaller context switches and signal frames).
+    pub unsafe fn release() {
+        asm!("tilerelease", options(nostack, nomem));
+    }
+
+    /// `sums = A[32 rows at a, row stride lda words] · panel[kb pairs at b]` for one k block
+    /// (kb a multiple of 16). B tiles load straight from the packed panel (a pair row is NR
+    /// words = 128 bytes; its two 16-column halves are the two B tiles).
+    pub unsafe fn block(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums, prefetch: bool) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        debug_assert!(kb % 16 == 0);
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        let mut s = 0;
+        while s < kb {
+            if prefetch {
+                // tile loads from DRAM overlap poorly: fetch the step 4 KiB ahead (2 KiB a step)
+                for l in 0..32 {
+                    _mm_prefetch::<_MM_HINT_T1>(b.add(s * NR + 2048 + 16 * l) as *const i8);
+                }
+            }
+            asm!(
+                "tileloadd tmm4, [{a0} + {sa}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tileloadd tmm7, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) a.add(s),
+                a1 = in(reg) a.add(16 * lda + s),
+                sa = in(reg) lda * 4,
+                b0 = in(reg) b.add(s * NR),
+                b1 = in(reg) b.add(s * NR + 16),
+                sb = in(reg) NR * 4,
+                options(nostack, readonly),
+            );
+            s += 16;
+        }
+        let c = sums.0.as_mut_ptr();
+        asm!(
+            "tilestored [{c0} + {sc}*1], tmm0",
+            "tilestored [{c1} + {sc}*1], tmm1",
+            "tilestored [{c2} + {sc}*1], tmm2",
+            "tilestored [{c3} + {sc}*1], tmm3",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(16),
+            c2 = in(reg) c.add(16 * NR),
+            c3 = in(reg) c.add(16 * NR + 16),
+            sc = in(reg) NR * 4,
+            options(nostack),
+        );
+    }
+
+    /// `block` for strips of at most 16 rows (decode): the first 16 rows of `sums` only. One A
+    /// tile and the panel's two B tiles per step, alternating between two register sets so the
+    /// next step's tile loads (from memory: the weights stream) overlap this step's products.
+    /// Each accumulator sees the same `tdpbf16ps` sequence as in `block`, so the bits are equal.
+    pub unsafe fn block16(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums) {
+        debug_assert!(kb % 16 == 0);
+        asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+        let mut s = 0;
+        while s + 32 <= kb {
+            asm!(
+                "tileloadd tmm2, [{a0} + {sa}*1]",
+                "tileloadd tmm4, [{b0} + {sb}*1]",
+                "tileloadd tmm5, [{b1} + {sb}*1]",
+                "tileloadd tmm3, [{a2} + {sa}*1]",
+                "tileloadd tmm6, [{b2} + {sb}*1]",
+                "tileloadd tmm7, [{b3} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm2, tmm4",
+                "tdpbf16ps tmm1, tmm2, tmm5",
+                "tdpbf16ps tmm0, tmm3, tmm6",
+                "tdpbf16ps tmm1, tmm3, tmm7",
+                a0 = in(reg) a.add(s),
+                a2 = in(reg) a.add(s + 16),
+                sa = in(reg) lda * 4,
+                b0 = in(reg) b.add(s * NR),
+                b1 = in(reg) b.add(s * NR + 16),
+                b2 = in(reg) b.add((s + 16) * NR),
+                b3 = in(reg) b.add((s + 16) * NR + 16),
+                sb = in(reg) NR * 4,
+                options(nostack, readonly),
+            );
+            s += 32;
+        }
+        if s < kb {
+            asm!(
+                "tileloadd tmm2, [{a0} + {sa}*1]",
+                "tileloadd tmm4, [{b0} + {sb}*1]",
+                "tileloadd tmm5, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm2, tmm4",
+                "tdpbf16ps tmm1, tmm2, tmm5",
+                a0 = in(reg) a.add(s),
+                sa = in(reg) lda * 4,
+                b0 = in(reg) b.add(s * NR),
+                b1 = in(reg) b.add(s * NR + 16),
+                sb = in(reg) NR * 4,
+                options(nostack, readonly),
+            );
+        }
+        let c = sums.0.as_mut_ptr();
+        asm!(
+            "tilestored [{c0} + {sc}*1], tmm0",
+            "tilestored [{c1} + {sc}*1], tmm1",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(16),
+            sc = in(reg) NR * 4,
+            options(nostack),
+        );
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{Tile, NR};
@@ -842,6 +1149,18 @@ mod tests {
             eprintln!("note: no AVX512_BF16 on this CPU, testing the portable kernel only");
             vec![Kernel::Portable]
         }
+    }
+
+    /// `kernels()` and, where this machine allows it, AMX: checked against the f64 bounds and for
+    /// batch invariance (not for the `vdpbf16ps` bits, which AMX does not reproduce).
+    fn all_kernels() -> Vec<Kernel> {
+        let mut v = kernels();
+        if amx_available() {
+            v.push(Kernel::Amx);
+        } else {
+            eprintln!("note: no AMX on this CPU (or INFOMEM_AMX=0), the AMX kernel is not tested");
+        }
+        v
     }
 
     fn normal(rng: &mut Rng, len: usize) -> Vec<f32> {
@@ -968,7 +1287,7 @@ mod tests {
     /// (m, k, n): m = 1, 2, 8, 12, 13, 37, 100; k = 1, odd, not a multiple of 32, several k
     /// blocks (k > 640); n below, at and past panel edges.
     const SHAPES: &[(usize, usize, usize)] =
-        &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64)];
+        &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64), (45, 64, 97), (70, 1024, 100)];
 
     /// x Wᵀ + b against an f64 reference on the bf16-rounded inputs, within the worst-case bound
     /// of a sequential f32 sum: |err| ≤ (k + blocks + 2)·u·(Σ|x·w| + |b|), u = 2⁻²⁴.
@@ -982,7 +1301,7 @@ mod tests {
             let pw = PackedBf16::from_f32(&w, n, k);
             let (xr, wr): (Vec<f64>, Vec<f64>) = (x.iter().map(|&v| bf16::from_f32(v).to_f64()).collect(), pw.to_f32().iter().map(|&v| v as f64).collect());
             let blocks = k.div_ceil(2).div_ceil(k_block_pairs(k.div_ceil(2)));
-            for kernel in kernels() {
+            for kernel in all_kernels() {
                 for with_bias in [false, true] {
                     let mut out = vec![f32::NAN; m * n + 3];
                     matmul_bf16_with(&x, &pw, with_bias.then_some(&bias[..]), m, k, n, &mut out, kernel, true);
@@ -1016,7 +1335,7 @@ mod tests {
             let pw = PackedBf16::from_f32(&w, n, k);
             let (dr, wr): (Vec<f64>, Vec<f64>) = (dy.iter().map(|&v| bf16::from_f32(v).to_f64()).collect(), pw.to_f32().iter().map(|&v| v as f64).collect());
             let blocks = n.div_ceil(2).div_ceil(k_block_pairs(n.div_ceil(2)));
-            for kernel in kernels() {
+            for kernel in all_kernels() {
                 for accumulate in [false, true] {
                     let mut dx = dx0.clone();
                     dx.push(f32::NAN);
@@ -1077,21 +1396,22 @@ mod tests {
     }
 
     /// A row's bits do not depend on the other rows of the call, on its position, on the thread
-    /// count, or on the kernel (native vs portable).
+    /// count, or on the kernel (native vs portable); with AMX, on the first three.
     #[test]
     fn rows_are_batch_invariant() {
         let mut rng = Rng::new(6);
-        for &(m, k, n) in &[(100, 641, 70), (40, 1536, 200), (29, 577, 960)] {
+        for &(m, k, n) in &[(100, 641, 70), (40, 1536, 200), (29, 577, 960), (70, 576, 96)] {
             let x = normal(&mut rng, m * k);
             let w = normal(&mut rng, n * k);
             let bias = normal(&mut rng, n);
             let pw = PackedBf16::from_f32(&w, n, k);
-            let mut all = vec![0f32; m * n];
-            matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut all, kernels()[0], true);
-            let mut all_dx = vec![0f32; m * k];
             let dy = normal(&mut rng, m * n);
-            matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut all_dx, false, kernels()[0], true);
-            for kernel in kernels() {
+            for kernel in all_kernels() {
+                let reference = if kernel == Kernel::Amx { kernel } else { kernels()[0] };
+                let mut all = vec![0f32; m * n];
+                matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut all, reference, true);
+                let mut all_dx = vec![0f32; m * k];
+                matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut all_dx, false, reference, true);
                 for threads in [1, 2, 3] {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                     pool.install(|| {

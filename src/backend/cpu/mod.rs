@@ -115,7 +115,16 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         match self.weights {
             WeightDtype::F32 => format!("cpu ({} threads, f32)", self.threads),
-            WeightDtype::Bf16 => format!("cpu ({} threads, bf16 weights{})", self.threads, if gemm_bf16::native_available() { "" } else { ", portable kernel: no AVX512_BF16" }),
+            WeightDtype::Bf16 => {
+                let kernel = if gemm_bf16::amx_available() {
+                    "AMX tiles (vdpbf16ps where a reduction is not a multiple of 32)"
+                } else if gemm_bf16::native_available() {
+                    "vdpbf16ps"
+                } else {
+                    "portable kernel: no AVX512_BF16"
+                };
+                format!("cpu ({} threads, bf16 weights, {kernel})", self.threads)
+            }
         }
     }
 
