@@ -784,3 +784,38 @@ fn cli_synth_inspect_convert() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--tokens"));
 }
+
+/// `--choices`: the question names the gold among N candidates, the document's decoys first;
+/// records stay verifiable and deterministic, and without it nothing changes.
+#[test]
+fn choices_name_the_gold_and_the_decoys() {
+    let mut c = cfg(Task::Multikey, 300, 20, 5);
+    c.distractors = Some(2);
+    let plain = synthesize(&c, None).unwrap();
+    c.choices = 4;
+    let recs = synthesize(&c, None).unwrap();
+    assert_eq!(recs, synthesize(&c, None).unwrap(), "deterministic per seed");
+    let mut gold_positions = std::collections::BTreeSet::new();
+    for (r, p) in recs.iter().zip(&plain) {
+        verify_record(r).unwrap();
+        let ch: Vec<String> = r.meta["choices"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
+        assert_eq!(ch.len(), 4);
+        assert!(ch.contains(&r.answers[0]));
+        // the 2 decoy values the document states for other keys are among the choices
+        for f in facts(r).iter().filter(|f| f["role"]["role"] == "distractor") {
+            let text = f["text"].as_str().unwrap();
+            assert!(ch.iter().any(|v| text.contains(v.as_str())), "{text} has no value among {ch:?}");
+        }
+        assert!(r.question.starts_with(&p.question) && r.question.contains(&format!("It is one of: {}.", ch.join(", "))), "{}", r.question);
+        gold_positions.insert(ch.iter().position(|v| v == &r.answers[0]).unwrap());
+        // the same document: choices are drawn after everything else
+        assert_eq!((r.context.as_str(), &r.answers), (p.context.as_str(), &p.answers));
+    }
+    assert!(gold_positions.len() > 1, "the gold is shuffled among the choices");
+    for (task, n, why) in [(Task::Multihop, 3, "needle and multikey"), (Task::Needle, 1, "2 to 10"), (Task::Needle, 11, "2 to 10")] {
+        let mut bad = cfg(task, 300, 1, 1);
+        bad.choices = n;
+        let e = synthesize(&bad, None).unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+    }
+}

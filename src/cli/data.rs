@@ -73,6 +73,11 @@ pub struct SynthArgs {
     /// vartrack: ask the value of the chain's last variable, or which variables hold a value.
     #[arg(long, value_enum, default_value_t = VarQuestion::Value)]
     pub var_question: VarQuestion,
+    /// needle/multikey: name N candidate answers in the question (the gold, the document's decoy
+    /// values, fresh ones; 0 = none): answers that can be guessed, which outcome-only GRPO also
+    /// rewards when the memory kept nothing.
+    #[arg(long, default_value_t = 0)]
+    pub choices: usize,
     /// Characters per token when no --model is given (SmolLM2 measures 4.75 on the procedural
     /// filler, 4.4-4.6 on the essays).
     #[arg(long, default_value_t = DEFAULT_CHARS_PER_TOKEN)]
@@ -180,6 +185,7 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
         distractors: a.distractors,
         hop_order: a.hop_order,
         var_question: a.var_question,
+        choices: a.choices,
         filler: a.filler,
         essays_dir: a.essays_dir.clone(),
         chars_per_token: a.chars_per_token,

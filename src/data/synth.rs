@@ -98,6 +98,10 @@ pub struct SynthConfig {
     pub distractors: Option<usize>,
     pub hop_order: HopOrder,
     pub var_question: VarQuestion,
+    /// needle/multikey: name this many candidate answers in the question (0 = none): the gold,
+    /// the document's decoy values first, then fresh ones, shuffled. A guessable task: an agent
+    /// that kept nothing still succeeds 1/choices of the time, which the outcome reward pays.
+    pub choices: usize,
     pub filler: FillerKind,
     pub essays_dir: Option<PathBuf>,
     /// Used when no tokenizer is given.
@@ -117,6 +121,7 @@ impl SynthConfig {
             distractors: None,
             hop_order: HopOrder::Forward,
             var_question: VarQuestion::Value,
+            choices: 0,
             filler: FillerKind::Procedural,
             essays_dir: None,
             chars_per_token: super::DEFAULT_CHARS_PER_TOKEN,
@@ -166,6 +171,15 @@ impl SynthConfig {
                 ensure!((1..=20).contains(&self.hops()), "vartrack needs 1 to 20 hops, got {}", self.hops());
                 ensure!(self.distractors() <= 10, "vartrack takes at most 10 distractor chains");
             }
+        }
+        if self.choices > 0 {
+            ensure!(matches!(self.task, Task::Needle | Task::Multikey), "--choices applies to needle and multikey");
+            ensure!((2..=10).contains(&self.choices), "--choices must be 0 (none) or 2 to 10, got {}", self.choices);
+            ensure!(
+                self.answer_kind == AnswerKind::Number || 1 + self.distractors() + self.choices <= ANSWER_WORDS.len(),
+                "too many distinct word answers for --choices {}",
+                self.choices
+            );
         }
         if self.task == Task::Multihop || self.task == Task::Multikey {
             let people = 1 + self.distractors() + if self.task == Task::Multihop { self.hops() } else { 0 };
@@ -263,13 +277,7 @@ impl Draw<'_> {
 
     fn value(&mut self) -> String {
         loop {
-            let v = match self.cfg.answer_kind {
-                AnswerKind::Number => {
-                    let lo = 10u64.pow(self.cfg.digits as u32 - 1);
-                    (lo + self.rng.below(9 * lo)).to_string()
-                }
-                AnswerKind::Word => ANSWER_WORDS[self.rng.below(ANSWER_WORDS.len() as u64) as usize].to_string(),
-            };
+            let v = random_value(self.cfg, &mut self.rng);
             if !self.used_values.contains(&v) {
                 self.used_values.push(v.clone());
                 return v;
@@ -296,6 +304,17 @@ impl Draw<'_> {
                 return v;
             }
         }
+    }
+}
+
+/// A numeric or word answer drawn from `rng`.
+fn random_value(cfg: &SynthConfig, rng: &mut Rng) -> String {
+    match cfg.answer_kind {
+        AnswerKind::Number => {
+            let lo = 10u64.pow(cfg.digits as u32 - 1);
+            (lo + rng.below(9 * lo)).to_string()
+        }
+        AnswerKind::Word => ANSWER_WORDS[rng.below(ANSWER_WORDS.len() as u64) as usize].to_string(),
     }
 }
 
@@ -349,6 +368,23 @@ fn plan_needle_like(d: &mut Draw, keys: usize) -> Plan {
     meta.insert("answer_prefix".into(), json!(prefix_gold));
     if keys > 1 {
         meta.insert("keys".into(), json!(names));
+    }
+    if d.cfg.choices > 0 {
+        // the gold, then the decoys the document states for other keys, then fresh values; from
+        // a generator of their own (seeded by the record's facts), so the document is the one
+        // the same seed gives without --choices
+        let mut crng = Rng::new(names.iter().chain(&values).flat_map(|s| s.bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)));
+        let mut choices = vec![values[target].clone()];
+        choices.extend(values.iter().enumerate().filter(|&(k, _)| k != target).map(|(_, v)| v.clone()).take(d.cfg.choices - 1));
+        while choices.len() < d.cfg.choices {
+            let v = random_value(d.cfg, &mut crng);
+            if !d.used_values.contains(&v) && !choices.contains(&v) {
+                choices.push(v);
+            }
+        }
+        crng.shuffle(&mut choices);
+        question = format!("{question} It is one of: {}.", choices.join(", "));
+        meta.insert("choices".into(), json!(choices));
     }
     Plan { question, answers: vec![values[target].clone()], facts, terms, meta }
 }
@@ -774,6 +810,11 @@ pub fn verify_record(rec: &QaRecord) -> Result<()> {
             let in_facts: usize = fact_texts.iter().map(|f| count_word(f, &t)).sum();
             ensure!(in_ctx == in_facts, "{t:?} occurs {in_ctx} times in the context but {in_facts} times in the planted sentences");
         }
+    }
+    if let Some(ch) = meta.get("choices") {
+        let ch: Vec<&str> = ch.as_array().ok_or_else(|| anyhow!("meta.choices is not a list"))?.iter().filter_map(Value::as_str).collect();
+        ensure!(ch.len() >= 2 && ch.contains(&rec.answers[0].as_str()), "meta.choices {ch:?} must name the gold {:?} among at least 2", rec.answers[0]);
+        ensure!(ch.iter().all(|c| rec.question.contains(c)), "the question does not name every choice");
     }
     let derived = match rec.task.as_str() {
         "needle" | "multikey" => value_after(&rec.context, meta_str(meta, "answer_prefix")?)?,

@@ -231,11 +231,12 @@ impl Cell {
     }
 }
 
-/// The cells in run order: the base model first (its evaluations), then arms × seeds.
+/// The cells in run order: the base model first (its evaluations), then seed by seed every arm
+/// (so a study stopped early already has paired arms to compare).
 pub fn cells(cfg: &StudyConfig) -> Vec<Cell> {
     let mut v = vec![Cell { arm: "base".into(), seed: None, dir: cfg.out.join("base") }];
-    for a in &cfg.arms {
-        for &s in &cfg.seeds {
+    for &s in &cfg.seeds {
+        for a in &cfg.arms {
             v.push(Cell { arm: a.name.clone(), seed: Some(s), dir: cfg.out.join("cells").join(format!("{}-s{s}", a.name)) });
         }
     }
