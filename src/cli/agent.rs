@@ -398,20 +398,16 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
         if a.lengths.is_empty() {
             // a record's target length (`target_tokens`, in `meta` or top-level: synthetic data
             // carries it), else its measured length, bucketed (eval::bucket_lengths) per file
-            let (mut given, mut measured) = (Vec::new(), Vec::new());
             let file_recs = read_data(model, path, &a.dargs, None, a.seed)?;
-            for r in &file_recs {
-                let len = r.meta.get("target_tokens").and_then(|v| v.as_u64()).map(|v| v as usize);
-                given.push(len);
-                measured.push(if len.is_some() { 0 } else { model.tokenizer()?.encode(&r.context)?.len() });
+            let mut lens: Vec<Option<usize>> =
+                file_recs.iter().map(|r| r.meta.get("target_tokens").and_then(|v| v.as_u64()).map(|v| v as usize)).collect();
+            let free: Vec<usize> = (0..lens.len()).filter(|&i| lens[i].is_none()).collect();
+            let measured = free.iter().map(|&i| Ok(model.tokenizer()?.encode(&file_recs[i].context)?.len())).collect::<Result<Vec<_>>>()?;
+            for (&i, b) in free.iter().zip(eval::bucket_lengths(&measured)) {
+                lens[i] = Some(b);
             }
-            let free: Vec<usize> = (0..file_recs.len()).filter(|&i| given[i].is_none()).collect();
-            let buckets = eval::bucket_lengths(&free.iter().map(|&i| measured[i]).collect::<Vec<_>>());
-            for (&i, b) in free.iter().zip(buckets) {
-                given[i] = Some(b);
-            }
-            for (r, len) in file_recs.into_iter().zip(given) {
-                items.push((r.task.clone(), len.unwrap_or(0)));
+            for (r, len) in file_recs.into_iter().zip(lens) {
+                items.push((r.task.clone(), len.expect("every length is given or bucketed above")));
                 recs.push(r);
             }
         } else {

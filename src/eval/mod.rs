@@ -79,49 +79,45 @@ impl EvalRow {
 }
 
 fn row(task: String, length: usize, ts: Vec<&Trajectory>) -> EvalRow {
-    {
-        {
-            let n = ts.len();
-            let mean = |f: &dyn Fn(&Trajectory) -> f64| ts.iter().map(|t| f(t)).sum::<f64>() / n as f64;
-            let gains: Vec<f64> = ts.iter().filter_map(|t| t.gain).collect();
-            let curves: Vec<&Vec<f64>> = ts.iter().filter_map(|t| t.memory_curve.as_ref()).filter(|c| !c.is_empty()).collect();
-            let memory_curve = if curves.is_empty() {
-                None
-            } else {
-                let k = curves.iter().map(|c| c.len()).max().unwrap();
-                Some(
-                    (0..k)
-                        .map(|t| {
-                            let v: Vec<f64> = curves.iter().filter_map(|c| c.get(t).copied()).collect();
-                            v.iter().sum::<f64>() / v.len() as f64
-                        })
-                        .collect(),
-                )
-            };
-            let lost_after_peak = if curves.is_empty() {
-                None
-            } else {
-                let lost = curves
-                    .iter()
-                    .filter(|c| {
-                        let peak = c.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                        peak - c.last().unwrap() >= 0.5
-                    })
-                    .count();
-                Some(lost as f64 / curves.len() as f64)
-            };
-            EvalRow {
-                task,
-                length,
-                n,
-                em: mean(&|t| t.em),
-                sub_em: mean(&|t| t.sub_em),
-                f1: mean(&|t| t.f1),
-                mean_gain: if gains.is_empty() { None } else { Some(gains.iter().sum::<f64>() / gains.len() as f64) },
-                memory_curve,
-                lost_after_peak,
-            }
-        }
+    let n = ts.len();
+    let mean = |f: &dyn Fn(&Trajectory) -> f64| ts.iter().map(|t| f(t)).sum::<f64>() / n as f64;
+    let gains: Vec<f64> = ts.iter().filter_map(|t| t.gain).collect();
+    let curves: Vec<&Vec<f64>> = ts.iter().filter_map(|t| t.memory_curve.as_ref()).filter(|c| !c.is_empty()).collect();
+    let memory_curve = if curves.is_empty() {
+        None
+    } else {
+        let k = curves.iter().map(|c| c.len()).max().unwrap();
+        Some(
+            (0..k)
+                .map(|t| {
+                    let v: Vec<f64> = curves.iter().filter_map(|c| c.get(t).copied()).collect();
+                    v.iter().sum::<f64>() / v.len() as f64
+                })
+                .collect(),
+        )
+    };
+    let lost_after_peak = if curves.is_empty() {
+        None
+    } else {
+        let lost = curves
+            .iter()
+            .filter(|c| {
+                let peak = c.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                peak - c.last().unwrap() >= 0.5
+            })
+            .count();
+        Some(lost as f64 / curves.len() as f64)
+    };
+    EvalRow {
+        task,
+        length,
+        n,
+        em: mean(&|t| t.em),
+        sub_em: mean(&|t| t.sub_em),
+        f1: mean(&|t| t.f1),
+        mean_gain: if gains.is_empty() { None } else { Some(gains.iter().sum::<f64>() / gains.len() as f64) },
+        memory_curve,
+        lost_after_peak,
     }
 }
 

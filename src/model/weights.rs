@@ -266,41 +266,39 @@ impl ModelWeights {
     /// Layer `l`'s tensors, q/k/v and gate/up fused.
     pub fn layer(set: &SafetensorsSet, cfg: &ModelConfig, l: usize) -> Result<LayerWeights> {
         let (d, q, kv, i) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-        {
-            let p = format!("model.layers.{l}");
-            let g = |n: &str, s: &[usize]| set.get_f32(&format!("{p}.{n}"), Some(s));
-            let qkv = concat_rows(vec![
-                g("self_attn.q_proj.weight", &[q, d])?,
-                g("self_attn.k_proj.weight", &[kv, d])?,
-                g("self_attn.v_proj.weight", &[kv, d])?,
-            ]);
-            let qkv_bias = if cfg.qkv_bias {
-                Some(concat_rows(vec![
-                    g("self_attn.q_proj.bias", &[q])?,
-                    g("self_attn.k_proj.bias", &[kv])?,
-                    g("self_attn.v_proj.bias", &[kv])?,
-                ]))
-            } else {
-                None
-            };
-            let o_bias = if cfg.o_bias { Some(g("self_attn.o_proj.bias", &[d])?) } else { None };
-            let qk_norm = if cfg.qk_norm {
-                Some((g("self_attn.q_norm.weight", &[cfg.head_dim])?, g("self_attn.k_norm.weight", &[cfg.head_dim])?))
-            } else {
-                None
-            };
-            Ok(LayerWeights {
-                attn_norm: g("input_layernorm.weight", &[d])?,
-                qkv,
-                qkv_bias,
-                o_bias,
-                qk_norm,
-                o: g("self_attn.o_proj.weight", &[d, q])?,
-                mlp_norm: g("post_attention_layernorm.weight", &[d])?,
-                gate_up: concat_rows(vec![g("mlp.gate_proj.weight", &[i, d])?, g("mlp.up_proj.weight", &[i, d])?]),
-                down: g("mlp.down_proj.weight", &[d, i])?,
-            })
-        }
+        let p = format!("model.layers.{l}");
+        let g = |n: &str, s: &[usize]| set.get_f32(&format!("{p}.{n}"), Some(s));
+        let qkv = concat_rows(vec![
+            g("self_attn.q_proj.weight", &[q, d])?,
+            g("self_attn.k_proj.weight", &[kv, d])?,
+            g("self_attn.v_proj.weight", &[kv, d])?,
+        ]);
+        let qkv_bias = if cfg.qkv_bias {
+            Some(concat_rows(vec![
+                g("self_attn.q_proj.bias", &[q])?,
+                g("self_attn.k_proj.bias", &[kv])?,
+                g("self_attn.v_proj.bias", &[kv])?,
+            ]))
+        } else {
+            None
+        };
+        let o_bias = if cfg.o_bias { Some(g("self_attn.o_proj.bias", &[d])?) } else { None };
+        let qk_norm = if cfg.qk_norm {
+            Some((g("self_attn.q_norm.weight", &[cfg.head_dim])?, g("self_attn.k_norm.weight", &[cfg.head_dim])?))
+        } else {
+            None
+        };
+        Ok(LayerWeights {
+            attn_norm: g("input_layernorm.weight", &[d])?,
+            qkv,
+            qkv_bias,
+            o_bias,
+            qk_norm,
+            o: g("self_attn.o_proj.weight", &[d, q])?,
+            mlp_norm: g("post_attention_layernorm.weight", &[d])?,
+            gate_up: concat_rows(vec![g("mlp.gate_proj.weight", &[i, d])?, g("mlp.up_proj.weight", &[i, d])?]),
+            down: g("mlp.down_proj.weight", &[d, i])?,
+        })
     }
 
     /// Refuse a checkpoint with tensors the config does not describe (checked before any load).

@@ -380,8 +380,7 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
         std::fs::create_dir_all(&c.dir).with_context(|| format!("cannot create {}", c.dir.display()))?;
         let log = c.dir.join("log.txt");
         // training first: the evaluations need its adapter
-        let steps: Vec<_> = train_command(cfg, c).into_iter().collect();
-        for (what, args) in steps {
+        if let Some((what, args)) = train_command(cfg, c) {
             eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
             spawn_logged(&o.exe, &args, &log, &tag)?;
         }

@@ -241,17 +241,6 @@ pub fn amx_available() -> bool {
     })
 }
 
-/// The microkernel `matmul_bf16` uses for a `[·, k]` product on this machine ("amx",
-/// "avx512-bf16" or "portable"), for reports.
-pub fn kernel_name(k: usize) -> &'static str {
-    let pairs = k.div_ceil(2);
-    match Kernel::Auto.micro(pairs, k_block_pairs(pairs)) {
-        Micro::Amx => "amx",
-        Micro::Avx512 => "avx512-bf16",
-        Micro::Portable => "portable",
-    }
-}
-
 /// 64 bytes: one cache line of packed words (keeps the packed data aligned).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -650,20 +639,19 @@ impl Job<'_> {
             let rows = AMX_MR.min(r1 - i);
             for pn in p0..p1 {
                 let j0 = pn * NR;
-                // the task's first strip streams the panels from memory: prefetch them ahead
                 let (ai, bp) = (a.add((i - r0) * self.pairs + q0), panels.add((pn - p0) * kb * NR));
                 if rows <= 16 {
                     // decode: one A tile; the same tdpbf16ps sequence per element (same bits)
                     amx::block16(ai, self.pairs, bp, kb, &mut acc);
                 } else {
-                    amx::block(ai, self.pairs, bp, kb, &mut acc, i == r0);
+                    amx::block(ai, self.pairs, bp, kb, &mut acc);
                 }
                 let cols = (self.cols - j0).min(NR);
                 for r in 0..rows {
                     let c = std::slice::from_raw_parts_mut(self.c.get().add((i + r) * self.cols + j0), cols);
                     let s = &acc.0[r * NR..r * NR + cols];
                     if !overwrite {
-                        c.iter_mut().zip(s).for_each(|(c, &s)| *c = s + *c);
+                        c.iter_mut().zip(s).for_each(|(c, &s)| *c += s); // C + sums: IEEE addition commutes (Tile::store)
                     } else {
                         c.copy_from_slice(s);
                     }
@@ -929,18 +917,11 @@ mod amx {
     /// `sums = A[32 rows at a, row stride lda words] · panel[kb pairs at b]` for one k block
     /// (kb a multiple of 16). B tiles load straight from the packed panel (a pair row is NR
     /// words = 128 bytes; its two 16-column halves are the two B tiles).
-    pub unsafe fn block(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums, prefetch: bool) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    pub unsafe fn block(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums) {
         debug_assert!(kb % 16 == 0);
         asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
         let mut s = 0;
         while s < kb {
-            if prefetch {
-                // tile loads from DRAM overlap poorly: fetch the step 4 KiB ahead (2 KiB a step)
-                for l in 0..32 {
-                    _mm_prefetch::<_MM_HINT_T1>(b.add(s * NR + 2048 + 16 * l) as *const i8);
-                }
-            }
             asm!(
                 "tileloadd tmm4, [{a0} + {sa}*1]",
                 "tileloadd tmm5, [{a1} + {sa}*1]",
