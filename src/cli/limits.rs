@@ -34,11 +34,45 @@ pub fn init_threads(n: usize) -> Result<()> {
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         bail!("{source}: at most {MAX_THREADS} CPU threads can be used (this machine has {cores} cores; 0 = one per core)");
     }
+    let threads = if asked > 0 { asked } else { std::thread::available_parallelism().map_or(1, |c| c.get()) };
+    check_thread_address_space(&source, threads)?;
     let mut b = rayon::ThreadPoolBuilder::new();
     if n > 0 {
         b = b.num_threads(n);
     }
     b.build_global().map_err(|e| anyhow!("{source}: cannot start the CPU thread pool ({e}); ask for fewer threads"))
+}
+
+/// Refuse a pool whose thread stacks cannot fit in the address space left under `ulimit -v`
+/// (RLIMIT_AS). Rayon reports a thread whose stack cannot be mapped as an error, but a thread
+/// whose stack fits and whose signal stack then does not (std maps one per thread as it starts)
+/// aborts the whole process, and which of the two happens is a race; so the sum is checked first.
+/// Per thread: its stack (std's default 2 MiB, or `RUST_MIN_STACK`) plus 1 MiB for the guard and
+/// signal stack pages and libc's per-thread state; 128 MiB stay free for the work itself. This is
+/// a lower bound (glibc's malloc arenas, up to 64 MiB each, come on top), so a pool just under it
+/// can still fail to start, which rayon then reports as an error in all but that race.
+fn check_thread_address_space(source: &str, threads: usize) -> Result<()> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct it is given
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        return Ok(());
+    }
+    const MIB: u64 = 1 << 20;
+    let stack = std::env::var("RUST_MIN_STACK").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(2 * MIB);
+    let used = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmSize:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())))
+        .map_or(0, |kb| kb * 1024);
+    let need = threads as u64 * (stack + MIB) + 128 * MIB;
+    let left = lim.rlim_cur.saturating_sub(used);
+    if need > left {
+        bail!(
+            "{source}: cannot start the CPU thread pool: {threads} threads need at least {} MiB of address space and the limit (ulimit -v) leaves {} MiB; ask for fewer threads",
+            need / MIB,
+            left / MIB
+        );
+    }
+    Ok(())
 }
 
 // ---- output paths -----------------------------------------------------------------------------
