@@ -91,13 +91,15 @@ fn config_errors_name_the_key() {
     let (_t, model) = tiny_for_agent("llama");
     let tmp = tempfile::tempdir().unwrap();
     let good = std::fs::read_to_string(plan(tmp.path(), &model, "")).unwrap();
-    let cases: [(&str, String, &str); 6] = [
+    let cases: [(&str, String, &str); 8] = [
         ("unknown top-level key", good.replace("threads = 1", "threads = 1\nbogus = 3"), "bogus"),
         ("unknown train flag", good.replace("steps = 2", "steps = 2\nstepz = 3"), "train.stepz"),
         ("duplicate arm", good.replace("name = \"infomem\"", "name = \"outcome\""), "used twice"),
         ("missing data file", good.replace("name = \"held\"\ndata = ", "name = \"held\"\ndata = \"/nonexistent/x.jsonl\"\n#"), "evals[0] (held).data"),
         ("no seeds", good.replace("seeds = [7]", "seeds = []"), "seeds"),
         ("bad arm name", good.replace("name = \"infomem\"", "name = \"info mem\""), "arms name"),
+        ("arm seed outside the study's", good.replace("reward = \"infomem\"", "reward = \"infomem\"\nseeds = [8]"), "arms[1] (infomem).seeds: seed 8"),
+        ("empty arm seeds", good.replace("reward = \"infomem\"", "reward = \"infomem\"\nseeds = []"), "arms[1] (infomem).seeds"),
     ];
     for (what, text, want) in cases {
         let cfg = tmp.path().join("bad.toml");
@@ -123,6 +125,15 @@ fn dry_run_prints_commands_and_creates_nothing() {
     assert!(out.contains("--lora-targets q,v") && out.contains("--no-memory-curve") && out.contains("--seed 7"), "{out}");
     assert!(out.contains("base: eval-held") && out.contains("infomem-s7: eval-held"), "{out}");
     assert!(!tmp.path().join("out").exists(), "--dry-run created the study directory");
+    // an arm limited to some of the study's seeds is trained only with those
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("seeds = [7]", "seeds = [7, 9]").replace("reward = \"infomem\"", "reward = \"infomem\"\nseeds = [9]");
+    let cfg2 = tmp.path().join("subset.toml");
+    std::fs::write(&cfg2, text).unwrap();
+    let o = study(&cfg2, &["--dry-run"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("4 cells"), "{out}{}", stderr(&o));
+    assert!(out.contains("outcome-s7: train") && out.contains("outcome-s9: train") && out.contains("infomem-s9: train"), "{out}");
+    assert!(!out.contains("infomem-s7"), "{out}");
     // --only with an unknown arm is refused
     let o = study(&cfg, &["--dry-run", "--only", "nope"]);
     assert!(!o.status.success() && stderr(&o).contains("no arm named \"nope\""), "{}", stderr(&o));

@@ -40,10 +40,13 @@ pub struct StudyConfig {
     pub evals: Vec<EvalSet>,
 }
 
-/// One arm: a name and the train flags it overrides (any other key).
+/// One arm: a name, optionally the seeds it is trained with (a subset of the study's, e.g. one
+/// seed for an ablation), and the train flags it overrides (any other key).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Arm {
     pub name: String,
+    #[serde(default)]
+    pub seeds: Option<Vec<u64>>,
     #[serde(flatten)]
     pub flags: toml::Table,
 }
@@ -142,6 +145,14 @@ pub fn validate(cfg: &StudyConfig, train_flags: &BTreeSet<String>, eval_flags: &
     for (i, a) in cfg.arms.iter().enumerate() {
         check_name("arms", &a.name, &mut seen)?;
         check_flags(&a.flags, &format!("arms[{i}] ({})", a.name), train_flags, &TRAIN_RESERVED, "train")?;
+        if let Some(ss) = &a.seeds {
+            if ss.is_empty() || ss.iter().collect::<BTreeSet<_>>().len() != ss.len() {
+                bail!("arms[{i}] ({}).seeds: give distinct seeds, at least one", a.name);
+            }
+            if let Some(x) = ss.iter().find(|x| !cfg.seeds.contains(x)) {
+                bail!("arms[{i}] ({}).seeds: seed {x} is not one of the study's seeds {:?}", a.name, cfg.seeds);
+            }
+        }
         let merged = merge(&cfg.train, &a.flags);
         if !merged.contains_key("data") && !merged.contains_key("config") {
             bail!("arms[{i}] ({}): no training data: set `data` in [train] or in the arm", a.name);
@@ -236,7 +247,7 @@ impl Cell {
 pub fn cells(cfg: &StudyConfig) -> Vec<Cell> {
     let mut v = vec![Cell { arm: "base".into(), seed: None, dir: cfg.out.join("base") }];
     for &s in &cfg.seeds {
-        for a in &cfg.arms {
+        for a in cfg.arms.iter().filter(|a| a.seeds.as_ref().is_none_or(|ss| ss.contains(&s))) {
             v.push(Cell { arm: a.name.clone(), seed: Some(s), dir: cfg.out.join("cells").join(format!("{}-s{s}", a.name)) });
         }
     }
@@ -351,7 +362,7 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     let cells = selected(cfg, o.only)?;
     let total = cells.len();
     if o.dry_run {
-        println!("study {}: {} cells ({} arms × {} seed(s) + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
+        println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
         for (i, c) in cells.iter().enumerate() {
             let cmds: Vec<_> = train_command(cfg, c).into_iter().chain(cfg.evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
             if cmds.is_empty() {
