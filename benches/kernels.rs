@@ -1,5 +1,6 @@
 //! Kernel micro-benchmarks on SmolLM2-135M's shapes (2 threads here): our AVX-512 GEMM against
-//! the `gemm` crate, prefill attention, and the training attention forward/backward; the bf16
+//! the `gemm` crate, prefill and decode attention (f32 and bf16 KV cache), and the training
+//! attention forward/backward; the bf16
 //! weight kernels (`gemm_bf16`) against f32, and the machine's limits they are measured against
 //! (streaming read bandwidth, `vdpbf16ps` and f32 FMA peaks).
 //!
@@ -7,7 +8,7 @@
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use infomem_engine::backend::cpu::gemm_bf16::{matmul_bf16, matmul_bf16_with, matmul_dx_bf16, Kernel, PackedBf16};
-use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend};
+use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend, WeightDtype};
 use infomem_engine::backend::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
 use std::hint::black_box;
@@ -89,6 +90,30 @@ fn prefill_attention(c: &mut Criterion) {
     let dout = be.upload(&data(rows * GEOM.q_dim(), 4)).unwrap();
     let mut dqkv = be.zeros(rows * GEOM.qkv_dim()).unwrap();
     g.bench_function("train bwd 8x512 (one layer)", |b| b.iter(|| be.attn_dense_bwd(&qkv_buf, &o, &dout, &lse, &dense, GEOM, &mut dqkv).unwrap()));
+    g.finish();
+}
+
+/// Decode attention: 8 sequences, one new row each, over 384 cached positions (the decode bench's
+/// context at its end), one layer, with the f32 and the bf16 KV cache; throughput in bytes of K
+/// and V read (the bound is the read bandwidth of `machine`).
+fn decode_attention(c: &mut Criterion) {
+    let (seqs_n, len) = (8usize, 384usize);
+    let rows = seqs_n * len;
+    let qkv = data(rows * GEOM.qkv_dim(), 5);
+    let pages_per = len / GEOM.page_size;
+    let pages: Vec<Vec<u32>> = (0..seqs_n).map(|s| ((s * pages_per) as u32..((s + 1) * pages_per) as u32).collect()).collect();
+    let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len + len - 1, n_q: 1, ctx_len: len, pages: &pages[s] }).collect();
+    let mut out = vec![0f32; rows * GEOM.q_dim()];
+    let mut g = c.benchmark_group("decode attention");
+    g.sample_size(20).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    for (name, dt, bytes) in [("f32", WeightDtype::F32, 4usize), ("bf16", WeightDtype::Bf16, 2)] {
+        let be = CpuBackend::with_weights(dt);
+        let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
+        let slots: Vec<u32> = (0..rows as u32).collect();
+        be.kv_store(&mut kv, 0, &be.upload(&qkv).unwrap(), &slots, GEOM).unwrap();
+        g.throughput(Throughput::Bytes((rows * 2 * GEOM.kv_dim() * bytes) as u64));
+        g.bench_function(format!("8 rows x {len} positions, {name} KV (one layer)"), |b| b.iter(|| attention::attention(&kv, 0, black_box(&qkv), &seqs, &mut out)));
+    }
     g.finish();
 }
 
@@ -209,5 +234,5 @@ mod peak {
     }
 }
 
-criterion_group!(benches, gemms, decode_matmul, prefill_attention, gemm_bf16, decode_bf16, machine);
+criterion_group!(benches, gemms, decode_matmul, prefill_attention, decode_attention, gemm_bf16, decode_bf16, machine);
 criterion_main!(benches);

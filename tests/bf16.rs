@@ -5,10 +5,10 @@
 //! one, bit for bit).
 //!
 //! The bounds. A bf16 rounding errs by at most 2⁻⁹ relative (round to nearest); every GEMM here
-//! rounds its weight and its input row, so each product carries up to ~0.4 % relative error,
-//! partly cancelling over a dot product and compounding over layers. Measured on the five tiny
-//! families (2 layers): logits within 0.95–1.7 % of max|logit|; log-probs within 1.4e-2–1.3e-1
-//! (the largest on the tied Llamas, whose logits reach ±36); GRPO loss within 0.3–9 % and the
+//! rounds its weight and its input row, and the KV cache rounds K and V, so each product carries
+//! up to ~0.4 % relative error, partly cancelling over a dot product and compounding over layers.
+//! Measured on the five tiny families (2 layers): logits within 0.9–1.6 % of max|logit|;
+//! log-probs within 1.9e-2–1.7e-1 (the largest on the tied Llamas, whose logits reach ±36); GRPO loss within 0.3–9 % and the
 //! whole LoRA gradient within 1.4–8.7 % (‖Δ‖/‖ref‖; the update pass runs its GEMMs in bf16 too,
 //! LoRA unmerged beside the weights). The asserts allow about twice that: logits 4e-2 of max|ref|,
 //! log-probs and gains 2e-2·max|logit|, loss 20 %, gradient 20 %. The unmerged passes themselves
@@ -133,4 +133,73 @@ fn bf16_batched_equals_one_by_one() {
             assert_eq!(batched[i].logprobs, alone[0].logprobs, "{arch} prompt {i}: log-probs bit for bit");
         }
     }
+}
+
+/// With `--dtype bf16` the KV cache holds bf16 (as on CUDA). Widening a bf16 is exact and the
+/// bf16 kernels keep the f32 kernels' order of operations, so attention over the bf16 cache must
+/// equal, bit for bit, attention over an f32 cache that was given K and V already rounded to
+/// bf16 — on the gather + GEMM path (prefill), the direct path (decode rows) and copied pages.
+#[test]
+fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
+    use infomem_engine::backend::{AttnGeom, AttnSeq};
+    use infomem_engine::backend::cpu::gemm_bf16::f32_to_bf16_bits;
+    // head_dim 20: the 16-wide loop, then 4 left over
+    let g = AttnGeom { n_layers: 2, n_heads: 6, n_kv_heads: 2, head_dim: 20, page_size: 16 };
+    let (w, qd) = (g.qkv_dim(), g.q_dim());
+    let lens = [70usize, 40, 1, 33];
+    let rows: usize = lens.iter().sum();
+    let mut rng = Rng::new(5);
+    let qkv: Vec<f32> = (0..rows * w).map(|_| rng.normal() as f32).collect();
+    let mut rounded = qkv.clone();
+    for r in 0..rows {
+        for x in &mut rounded[r * w + qd..(r + 1) * w] {
+            *x = f32::from_bits((f32_to_bf16_bits(*x) as u32) << 16);
+        }
+    }
+    assert_ne!(qkv, rounded, "the inputs must need rounding for this test to mean anything");
+    let run = |be: CpuBackend, qkv: &[f32]| -> Vec<f32> {
+        let pages_of = |len: usize| len.div_ceil(g.page_size);
+        let total_pages: usize = lens.iter().map(|&l| pages_of(l)).sum::<usize>() + 1;
+        let mut kv = be.kv_new(g, total_pages).unwrap();
+        let buf = be.upload(qkv).unwrap();
+        let (mut pages, mut slots, mut next) = (Vec::new(), Vec::new(), 0u32);
+        for &len in &lens {
+            let p: Vec<u32> = (next..next + pages_of(len) as u32).collect();
+            next += p.len() as u32;
+            slots.extend((0..len).map(|t| p[t / g.page_size] * g.page_size as u32 + (t % g.page_size) as u32));
+            pages.push(p);
+        }
+        for layer in 0..g.n_layers {
+            be.kv_store(&mut kv, layer, &buf, &slots, g).unwrap();
+        }
+        // the last sequence reads a copy of its first page (copy-on-write), page `next`
+        be.kv_copy_page(&mut kv, pages[3][0], next, g.page_size).unwrap();
+        pages[3][0] = next;
+        // prefill of all 70 rows, then the last 3 rows as decode rows, 1 row, 1 row of 33
+        let n_q = [70usize, 3, 1, 1];
+        let mut out_all = Vec::new();
+        let mut row0 = 0;
+        let seqs: Vec<AttnSeq> = lens
+            .iter()
+            .zip(&n_q)
+            .zip(&pages)
+            .map(|((&len, &nq), p)| {
+                let s = AttnSeq { q_row: row0 + len - nq, n_q: nq, ctx_len: len, pages: p };
+                row0 += len;
+                s
+            })
+            .collect();
+        for layer in 0..g.n_layers {
+            let mut out = be.zeros(rows * qd).unwrap();
+            be.attention(&kv, layer, &buf, &seqs, g, &mut out).unwrap();
+            out_all.extend(be.download(&out).unwrap());
+        }
+        out_all
+    };
+    let bf = run(CpuBackend::with_weights(WeightDtype::Bf16), &qkv);
+    let f32_on_rounded = run(CpuBackend::new(), &rounded);
+    assert!(bf.iter().any(|&x| x != 0.0));
+    assert_eq!(bf.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), f32_on_rounded.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    // and the rounding is visible: the f32 cache on the unrounded inputs differs
+    assert_ne!(run(CpuBackend::new(), &qkv), bf);
 }

@@ -103,6 +103,54 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     }
 }
 
+/// `dst[i] = f32(src[i])` for bf16 bits (exact: a bf16 is an f32 with its low 16 bits zero).
+pub fn widen_bf16(dst: &mut [f32], src: &[u16]) {
+    for (d, &h) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((h as u32) << 16);
+    }
+}
+
+/// `dot` with the second operand in bf16 bits, widened on the fly (same partial-sum order).
+pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
+    let n = a.len().min(b.len());
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    {
+        // Safety: both slices hold n elements; loads are unaligned.
+        unsafe { avx::dot_bf16(a.as_ptr(), b.as_ptr(), n) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    {
+        let w = |h: u16| f32::from_bits((h as u32) << 16);
+        let mut acc = [0f32; 8];
+        let (ca, cb) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for i in 0..8 {
+                acc[i] += x[i] * w(y[i]);
+            }
+        }
+        let mut r: f32 = acc.iter().sum();
+        for (x, &y) in ra.iter().zip(rb) {
+            r += x * w(y);
+        }
+        r
+    }
+}
+
+/// `axpy` with `x` in bf16 bits: `y += alpha·x`.
+pub fn axpy_bf16(y: &mut [f32], alpha: f32, x: &[u16]) {
+    let n = y.len().min(x.len());
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    {
+        // Safety: both slices hold n elements and do not overlap (&mut vs &).
+        unsafe { avx::axpy_bf16(y.as_mut_ptr(), alpha, x.as_ptr(), n) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    for (a, &b) in y[..n].iter_mut().zip(&x[..n]) {
+        *a += alpha * f32::from_bits((b as u32) << 16);
+    }
+}
+
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
 mod avx {
     use std::arch::x86_64::*;
@@ -127,6 +175,48 @@ mod avx {
             i += 1;
         }
         r
+    }
+
+    /// 8 bf16 bits at `p` as 8 f32 lanes.
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+    }
+
+    #[inline(always)]
+    pub unsafe fn dot_bf16(a: *const f32, b: *const u16, n: usize) -> f32 {
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load_bf16(b.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), load_bf16(b.add(i + 8)), acc1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load_bf16(b.add(i)), acc0);
+            i += 8;
+        }
+        let mut r = hsum(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            r += *a.add(i) * f32::from_bits((*b.add(i) as u32) << 16);
+            i += 1;
+        }
+        r
+    }
+
+    #[inline(always)]
+    pub unsafe fn axpy_bf16(y: *mut f32, alpha: f32, x: *const u16, n: usize) {
+        let va = _mm256_set1_ps(alpha);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(va, load_bf16(x.add(i)), _mm256_loadu_ps(y.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *y.add(i) += alpha * f32::from_bits((*x.add(i) as u32) << 16);
+            i += 1;
+        }
     }
 
     /// `exp_lane` on 8 lanes, the same operations in the same order.
