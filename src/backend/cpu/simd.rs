@@ -155,26 +155,43 @@ pub fn axpy_bf16(y: &mut [f32], alpha: f32, x: &[u16]) {
 mod avx {
     use std::arch::x86_64::*;
 
+    /// Σ a[i]·b[i] where `load8(i)` gives b[i..i + 8] as f32 lanes and `at(i)` gives b[i]: one
+    /// body for f32 and bf16 operands, so both sum in the same order.
     #[inline(always)]
-    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
+    unsafe fn dot_by(a: *const f32, n: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> f32 {
         let mut acc0 = _mm256_setzero_ps();
         let mut acc1 = _mm256_setzero_ps();
         let mut i = 0;
         while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), _mm256_loadu_ps(b.add(i + 8)), acc1);
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load8(i), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), load8(i + 8), acc1);
             i += 16;
         }
         if i + 8 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load8(i), acc0);
             i += 8;
         }
         let mut r = hsum(_mm256_add_ps(acc0, acc1));
         while i < n {
-            r += *a.add(i) * *b.add(i);
+            r += *a.add(i) * at(i);
             i += 1;
         }
         r
+    }
+
+    /// y[i] += alpha·x[i], `load8`/`at` reading x as in `dot_by`.
+    #[inline(always)]
+    unsafe fn axpy_by(y: *mut f32, alpha: f32, n: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) {
+        let av = _mm256_set1_ps(alpha);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, load8(i), _mm256_loadu_ps(y.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *y.add(i) += alpha * at(i);
+            i += 1;
+        }
     }
 
     /// 8 bf16 bits at `p` as 8 f32 lanes.
@@ -184,39 +201,23 @@ mod avx {
     }
 
     #[inline(always)]
+    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
+        dot_by(a, n, |i| _mm256_loadu_ps(b.add(i)), |i| *b.add(i))
+    }
+
+    #[inline(always)]
     pub unsafe fn dot_bf16(a: *const f32, b: *const u16, n: usize) -> f32 {
-        let mut acc0 = _mm256_setzero_ps();
-        let mut acc1 = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load_bf16(b.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), load_bf16(b.add(i + 8)), acc1);
-            i += 16;
-        }
-        if i + 8 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load_bf16(b.add(i)), acc0);
-            i += 8;
-        }
-        let mut r = hsum(_mm256_add_ps(acc0, acc1));
-        while i < n {
-            r += *a.add(i) * f32::from_bits((*b.add(i) as u32) << 16);
-            i += 1;
-        }
-        r
+        dot_by(a, n, |i| load_bf16(b.add(i)), |i| f32::from_bits((*b.add(i) as u32) << 16))
+    }
+
+    #[inline(always)]
+    pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
+        axpy_by(y, alpha, n, |i| _mm256_loadu_ps(x.add(i)), |i| *x.add(i))
     }
 
     #[inline(always)]
     pub unsafe fn axpy_bf16(y: *mut f32, alpha: f32, x: *const u16, n: usize) {
-        let va = _mm256_set1_ps(alpha);
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(va, load_bf16(x.add(i)), _mm256_loadu_ps(y.add(i))));
-            i += 8;
-        }
-        while i < n {
-            *y.add(i) += alpha * f32::from_bits((*x.add(i) as u32) << 16);
-            i += 1;
-        }
+        axpy_by(y, alpha, n, |i| load_bf16(x.add(i)), |i| f32::from_bits((*x.add(i) as u32) << 16))
     }
 
     /// `exp_lane` on 8 lanes, the same operations in the same order.
@@ -289,19 +290,6 @@ mod avx {
         }
     }
 
-    #[inline(always)]
-    pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
-        let av = _mm256_set1_ps(alpha);
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i))));
-            i += 8;
-        }
-        while i < n {
-            *y.add(i) += alpha * *x.add(i);
-            i += 1;
-        }
-    }
 }
 
 const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
