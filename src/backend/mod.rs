@@ -204,8 +204,6 @@ pub trait Backend: Send + Sync {
     // ---- KV cache ----
     /// Storage for at most `max_pages` pages (backends may allocate lazily).
     fn kv_new(&self, geom: AttnGeom, max_pages: usize) -> Result<Self::Kv>;
-    /// Bytes of one cached K or V value (4 for f32, 2 for bf16).
-    fn kv_value_bytes(&self) -> usize;
     /// Copy the first `n_tokens` slots of page `src` to page `dst` (copy-on-write of a shared page).
     fn kv_copy_page(&self, kv: &mut Self::Kv, src: u32, dst: u32, n_tokens: usize) -> Result<()>;
     /// Let the backend reclaim a page's memory (it may keep it for reuse).

@@ -19,8 +19,3 @@ pub fn kv_for<B: Backend>(model: &Model<B>, max_tokens: usize) -> Result<KvCache
     let g = model.geom();
     KvCache::new(&model.be, g, max_tokens.div_ceil(g.page_size).max(1))
 }
-
-/// Bytes of K and V per cached token (all layers, in the backend's KV dtype).
-pub fn kv_bytes_per_token<B: Backend>(model: &Model<B>) -> usize {
-    model.cfg.n_layers * 2 * model.cfg.kv_dim() * model.be.kv_value_bytes()
-}

@@ -271,9 +271,6 @@ impl Backend for RoundingCpu {
     fn len(&self, buf: &CpuBuf) -> usize {
         self.0.len(buf)
     }
-    fn kv_value_bytes(&self) -> usize {
-        2
-    }
     fn kv_new(&self, geom: AttnGeom, max_pages: usize) -> anyhow::Result<Self::Kv> {
         self.0.kv_new(geom, max_pages)
     }

@@ -117,9 +117,6 @@ impl CpuKv {
             CpuKv::F32(KvPages::new(geom, max_pages))
         }
     }
-    pub fn geom(&self) -> AttnGeom {
-        with_pages!(self, p => p.geom)
-    }
     pub fn release(&mut self, page: u32) {
         with_pages!(self, p => p.release(page))
     }

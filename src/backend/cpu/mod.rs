@@ -164,9 +164,6 @@ impl Backend for CpuBackend {
         // the KV cache follows the weights' dtype, as on CUDA (bf16 there always)
         Ok(CpuKv::new(geom, max_pages, self.weights == WeightDtype::Bf16))
     }
-    fn kv_value_bytes(&self) -> usize {
-        if self.weights == WeightDtype::Bf16 { 2 } else { 4 }
-    }
     fn kv_copy_page(&self, kv: &mut CpuKv, src: u32, dst: u32, n_tokens: usize) -> Result<()> {
         kv.copy_page(src, dst, n_tokens);
         Ok(())

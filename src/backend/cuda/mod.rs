@@ -136,9 +136,6 @@ impl Backend for CudaBackend {
     fn kv_new(&self, geom: AttnGeom, max_pages: usize) -> Result<CudaKv> {
         attention::kv_new(self, geom, max_pages)
     }
-    fn kv_value_bytes(&self) -> usize {
-        2
-    }
     fn kv_copy_page(&self, kv: &mut CudaKv, src: u32, dst: u32, _n_tokens: usize) -> Result<()> {
         attention::kv_copy_page(self, kv, src, dst, _n_tokens)
     }
