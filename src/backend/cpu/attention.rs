@@ -364,13 +364,12 @@ impl<T: KvElem> KvPages<T> {
 /// page and every head `h` of the group.
 #[allow(clippy::too_many_arguments)]
 fn scores_page<T: KvElem>(q: &[f32], keys: &[T], group: usize, hd: usize, scale: f32, scores: &mut [f32], visible: usize, t0: usize) {
-    let nt = keys.len() / hd;
     #[allow(unused_mut)]
     let mut j0 = 0;
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     if hd % 8 == 0 {
         // blocks of 8 keys: one accumulator per key, reduced together (one tree for 8 dots)
-        while j0 + 8 <= nt {
+        while j0 + 8 <= keys.len() / hd {
             for h in 0..group {
                 // Safety: q holds group·hd values, keys nt·hd; scores row h has visible ≥ t0 + nt.
                 unsafe { avx::dot8(q[h * hd..].as_ptr(), keys[j0 * hd..].as_ptr(), hd, scale, scores[h * visible + t0 + j0..].as_mut_ptr()) };

@@ -69,23 +69,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         unsafe { avx::dot(a.as_ptr(), b.as_ptr(), n) }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    {
-        let (a, b) = (&a[..n], &b[..n]);
-        let mut acc = [0f32; 8];
-        let ca = a.chunks_exact(8);
-        let cb = b.chunks_exact(8);
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for l in 0..8 {
-                acc[l] += x[l] * y[l];
-            }
-        }
-        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for (x, y) in ra.iter().zip(rb) {
-            s += x * y;
-        }
-        s
-    }
+    portable::dot(&a[..n], &b[..n], |y| y)
 }
 
 /// y += alpha · x
@@ -98,9 +82,7 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
         unsafe { avx::axpy(y.as_mut_ptr(), alpha, x.as_ptr(), n) }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    for (a, b) in y[..n].iter_mut().zip(&x[..n]) {
-        *a += alpha * b;
-    }
+    portable::axpy(&mut y[..n], alpha, &x[..n], |v| v)
 }
 
 /// `dst[i] = f32(src[i])` for bf16 bits (exact: a bf16 is an f32 with its low 16 bits zero).
@@ -119,22 +101,7 @@ pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
         unsafe { avx::dot_bf16(a.as_ptr(), b.as_ptr(), n) }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    {
-        let w = |h: u16| f32::from_bits((h as u32) << 16);
-        let mut acc = [0f32; 8];
-        let (ca, cb) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for i in 0..8 {
-                acc[i] += x[i] * w(y[i]);
-            }
-        }
-        let mut r: f32 = acc.iter().sum();
-        for (x, &y) in ra.iter().zip(rb) {
-            r += x * w(y);
-        }
-        r
-    }
+    portable::dot(&a[..n], &b[..n], |h| f32::from_bits((h as u32) << 16))
 }
 
 /// `axpy` with `x` in bf16 bits: `y += alpha·x`.
@@ -146,8 +113,35 @@ pub fn axpy_bf16(y: &mut [f32], alpha: f32, x: &[u16]) {
         unsafe { avx::axpy_bf16(y.as_mut_ptr(), alpha, x.as_ptr(), n) }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    for (a, &b) in y[..n].iter_mut().zip(&x[..n]) {
-        *a += alpha * f32::from_bits((b as u32) << 16);
+    portable::axpy(&mut y[..n], alpha, &x[..n], |h| f32::from_bits((h as u32) << 16))
+}
+
+/// `dot` and `axpy` without AVX2, for f32 and bf16 operands alike (`w` widens one element), so
+/// that both sum in the same order there too.
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+mod portable {
+    #[inline(always)]
+    pub fn dot<T: Copy>(a: &[f32], b: &[T], w: impl Fn(T) -> f32) -> f32 {
+        let mut acc = [0f32; 8];
+        let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for l in 0..8 {
+                acc[l] += x[l] * w(y[l]);
+            }
+        }
+        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (x, &y) in ra.iter().zip(rb) {
+            s += x * w(y);
+        }
+        s
+    }
+
+    #[inline(always)]
+    pub fn axpy<T: Copy>(y: &mut [f32], alpha: f32, x: &[T], w: impl Fn(T) -> f32) {
+        for (a, &b) in y.iter_mut().zip(x) {
+            *a += alpha * w(b);
+        }
     }
 }
 
