@@ -25,16 +25,6 @@ fn err(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-fn write_data(path: &Path, salt: &str) {
-    let mut t = String::new();
-    for i in 0..6 {
-        t.push_str(&serde_json::json!({"id": format!("r{i}"), "question": format!("What is code {i}?"),
-            "context": format!("Some filler{salt}. The code {i} is {}. Then more filler text.", 2000 + i), "answers": [format!("{}", 2000 + i)]}).to_string());
-        t.push('\n');
-    }
-    std::fs::write(path, t).unwrap();
-}
-
 /// The settings of tests/train_cli.rs (fast steps on a tiny model); model and data as given
 /// (relative paths stay relative).
 fn write_config(path: &Path, model: &Path, data: &Path, steps: usize, lr: &str) {
@@ -62,7 +52,7 @@ fn setup(steps: usize) -> Setup {
     let (_model_tmp, model) = tiny_for_agent("llama");
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data.jsonl");
-    write_data(&data, "");
+    write_code_qa(&data, 6, "");
     let cfg = tmp.path().join("train.toml");
     write_config(&cfg, &model, &data, steps, "0.005");
     Setup { _model_tmp, model, tmp, data, cfg }
@@ -161,7 +151,7 @@ fn resume_uses_out_and_refuses_changed_settings() {
     write_config(&root.join("changed.toml"), model_rel, Path::new("data.jsonl"), 2, "0.007");
     refused(&run(&["--config", "changed.toml", "--out", "runs/B", "--resume", "--steps", "5"], root), &["lr", "0.007"]);
     // same file, same record count, different content
-    write_data(&st.data, " edited");
+    write_code_qa(&st.data, 6, " edited");
     refused(&run(&["--out", "runs/B", "--resume", "--steps", "5"], root), &["data.jsonl", "sha256"]);
     assert_eq!(metric_steps(&b), vec![1, 2, 3, 4], "a refused resume must not touch the run");
 }

@@ -15,20 +15,10 @@ fn study(cfg: &Path, extra: &[&str]) -> Output {
     bin().args(["study", "--config", cfg.to_str().unwrap()]).args(extra).output().unwrap()
 }
 
-fn write_data(path: &Path) {
-    let mut s = String::new();
-    for i in 0..4 {
-        s.push_str(&serde_json::json!({"id": format!("r{i}"), "question": format!("What is code {i}?"),
-            "context": format!("Some filler. The code {i} is {}. Then more filler text.", 2000 + i), "answers": [format!("{}", 2000 + i)]}).to_string());
-        s.push('\n');
-    }
-    std::fs::write(path, s).unwrap();
-}
-
 /// A plan on the tiny model: arms `outcome` and `infomem`, seed 7, eval set `held`, 2 steps.
 fn plan(dir: &Path, model: &Path, extra: &str) -> std::path::PathBuf {
     let data = dir.join("data.jsonl");
-    write_data(&data);
+    write_code_qa(&data, 4, "");
     let cfg = dir.join("study.toml");
     std::fs::write(
         &cfg,

@@ -11,16 +11,6 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_infomem-engine"))
 }
 
-fn write_data(path: &Path) {
-    let mut s = String::new();
-    for i in 0..6 {
-        s.push_str(&serde_json::json!({"id": format!("r{i}"), "question": format!("What is code {i}?"),
-            "context": format!("Some filler. The code {i} is {}. Then more filler text.", 2000 + i), "answers": [format!("{}", 2000 + i)]}).to_string());
-        s.push('\n');
-    }
-    std::fs::write(path, s).unwrap();
-}
-
 fn write_config(path: &Path, model: &Path, data: &Path, steps: usize) {
     std::fs::write(
         path,
@@ -52,7 +42,7 @@ fn interrupt_kill_and_resume() {
     let (_t, model) = tiny_for_agent("llama");
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data.jsonl");
-    write_data(&data);
+    write_code_qa(&data, 6, "");
     let cfg = tmp.path().join("train.toml");
     write_config(&cfg, &model, &data, 6);
 

@@ -30,12 +30,12 @@ pub fn init_threads(n: usize) -> Result<()> {
         (0, _) => (0, "--threads 0 (one per core)".to_string()),
         (n, _) => (n, format!("--threads {n}")),
     };
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     if asked > MAX_THREADS {
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         bail!("{source}: at most {MAX_THREADS} CPU threads can be used (this machine has {cores} cores; 0 = one per core)");
     }
-    let threads = if asked > 0 { asked } else { std::thread::available_parallelism().map_or(1, |c| c.get()) };
-    check_thread_address_space(&source, threads)?;
+    // the pool rayon will start: `asked`, or one per core
+    check_thread_address_space(&source, if asked > 0 { asked } else { cores })?;
     let mut b = rayon::ThreadPoolBuilder::new();
     if n > 0 {
         b = b.num_threads(n);

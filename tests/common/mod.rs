@@ -63,6 +63,18 @@ pub fn log_softmax(row: &[f32]) -> Vec<f64> {
     row.iter().map(|&x| x as f64 - lse).collect()
 }
 
+/// `n` QA records for the CLI tests (`data` JSONL): "What is code i?" answered by 2000 + i, planted
+/// in a line of filler; `salt` goes into the filler (a changed data file with the same answers).
+pub fn write_code_qa(path: &Path, n: usize, salt: &str) {
+    let mut t = String::new();
+    for i in 0..n {
+        t.push_str(&serde_json::json!({"id": format!("r{i}"), "question": format!("What is code {i}?"),
+            "context": format!("Some filler{salt}. The code {i} is {}. Then more filler text.", 2000 + i), "answers": [format!("{}", 2000 + i)]}).to_string());
+        t.push('\n');
+    }
+    std::fs::write(path, t).unwrap();
+}
+
 /// The SmolLM2-135M-Instruct HF directory made by tools/fetch-smollm2.sh, if present.
 /// With INFOMEM_REQUIRE_SMOL=1 (set by .ci/run) a missing model fails the test instead of skipping.
 pub fn smol_dir() -> Option<PathBuf> {
