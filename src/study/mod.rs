@@ -654,21 +654,26 @@ fn ci_md(ci: (f64, f64)) -> String {
     }
 }
 
+/// The mean of the `y`s at each `x` of (x, y) points, in order of `x`: a plot series.
+fn means_by_x(points: impl Iterator<Item = (u64, f64)>) -> Vec<(f64, f64)> {
+    let mut m: BTreeMap<u64, (f64, usize)> = BTreeMap::new();
+    for (x, y) in points {
+        let e = m.entry(x).or_default();
+        e.0 += y;
+        e.1 += 1;
+    }
+    m.iter().map(|(&x, &(s, n))| (x as f64, s / n as f64)).collect()
+}
+
 /// accuracy_vs_step.png: per arm, the training success rate at each step averaged over the
 /// seeds that reached it (trained cells only).
 fn plot_steps(cfg: &StudyConfig, all: &[Cell]) -> Result<()> {
     let mut series = Vec::new();
     for a in &cfg.arms {
-        let mut by_step: BTreeMap<u64, (f64, usize)> = BTreeMap::new();
-        for c in all.iter().filter(|c| c.arm == a.name && c.seed.is_some() && c.trained()) {
-            for (s, y) in read_steps(&c.train_dir()) {
-                let e = by_step.entry(s as u64).or_default();
-                e.0 += y;
-                e.1 += 1;
-            }
-        }
-        if !by_step.is_empty() {
-            series.push(Series { name: a.name.clone(), points: by_step.iter().map(|(&s, &(y, n))| (s as f64, y / n as f64)).collect() });
+        let cells = all.iter().filter(|c| c.arm == a.name && c.seed.is_some() && c.trained());
+        let points = means_by_x(cells.flat_map(|c| read_steps(&c.train_dir())).map(|(s, y)| (s as u64, y)));
+        if !points.is_empty() {
+            series.push(Series { name: a.name.clone(), points });
         }
     }
     if series.is_empty() {
@@ -688,15 +693,7 @@ fn plot_steps(cfg: &StudyConfig, all: &[Cell]) -> Result<()> {
 /// accuracy_vs_length.png: held-out em per length, per arm (pooled over seeds) and the base
 /// model; one series per arm and evaluation set.
 fn plot_lengths(cfg: &StudyConfig, preds: &BTreeMap<(String, String), BTreeMap<u64, Vec<Pred>>>, base: &BTreeMap<String, Vec<Pred>>) -> Result<()> {
-    let by_len = |ps: &mut dyn Iterator<Item = &Pred>| -> Vec<(f64, f64)> {
-        let mut m: BTreeMap<u64, (f64, usize)> = BTreeMap::new();
-        for x in ps {
-            let e = m.entry(x.length as u64).or_default();
-            e.0 += x.em;
-            e.1 += 1;
-        }
-        m.iter().map(|(&l, &(s, n))| (l as f64, s / n as f64)).collect()
-    };
+    let by_len = |ps: &mut dyn Iterator<Item = &Pred>| means_by_x(ps.map(|x| (x.length as u64, x.em)));
     let many = cfg.evals.len() > 1;
     let label = |arm: &str, e: &str| if many { format!("{arm} ({e})") } else { arm.to_string() };
     let mut series = Vec::new();
