@@ -36,18 +36,26 @@ pub fn init_threads(n: usize) -> Result<()> {
     }
     // the pool rayon will start: `asked`, or one per core
     check_thread_address_space(&source, if asked > 0 { asked } else { cores })?;
-    let mut b = rayon::ThreadPoolBuilder::new();
+    let mut b = rayon::ThreadPoolBuilder::new().stack_size(pool_stack_bytes() as usize);
     if n > 0 {
         b = b.num_threads(n);
     }
     b.build_global().map_err(|e| anyhow!("{source}: cannot start the CPU thread pool ({e}); ask for fewer threads"))
 }
 
+/// Stack of each pool thread: the command itself runs on one of them (`main`), so it gets the
+/// main thread's usual 8 MiB, or `RUST_MIN_STACK` where that asks for more. Address space only:
+/// pages are committed as they are touched.
+fn pool_stack_bytes() -> u64 {
+    const MAIN: u64 = 8 << 20;
+    std::env::var("RUST_MIN_STACK").ok().and_then(|v| v.trim().parse::<u64>().ok()).map_or(MAIN, |v| v.max(MAIN))
+}
+
 /// Refuse a pool whose thread stacks cannot fit in the address space left under `ulimit -v`
 /// (RLIMIT_AS). Rayon reports a thread whose stack cannot be mapped as an error, but a thread
 /// whose stack fits and whose signal stack then does not (std maps one per thread as it starts)
 /// aborts the whole process, and which of the two happens is a race; so the sum is checked first.
-/// Per thread: its stack (std's default 2 MiB, or `RUST_MIN_STACK`) plus 1 MiB for the guard and
+/// Per thread: its stack ([`pool_stack_bytes`]) plus 1 MiB for the guard and
 /// signal stack pages and libc's per-thread state; 128 MiB stay free for the work itself. This is
 /// a lower bound (glibc's malloc arenas, up to 64 MiB each, come on top), so a pool just under it
 /// can still fail to start, which rayon then reports as an error in all but that race.
@@ -58,7 +66,7 @@ fn check_thread_address_space(source: &str, threads: usize) -> Result<()> {
         return Ok(());
     }
     const MIB: u64 = 1 << 20;
-    let stack = std::env::var("RUST_MIN_STACK").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(2 * MIB);
+    let stack = pool_stack_bytes();
     let used = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmSize:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())))

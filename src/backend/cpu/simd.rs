@@ -92,32 +92,7 @@ pub fn widen_bf16(dst: &mut [f32], src: &[u16]) {
     }
 }
 
-/// `dot` with the second operand in bf16 bits, widened on the fly (same partial-sum order).
-pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
-    let n = a.len().min(b.len());
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    {
-        // Safety: both slices hold n elements; loads are unaligned.
-        unsafe { avx::dot_bf16(a.as_ptr(), b.as_ptr(), n) }
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    portable::dot(&a[..n], &b[..n], |h| f32::from_bits((h as u32) << 16))
-}
-
-/// `axpy` with `x` in bf16 bits: `y += alpha·x`.
-pub fn axpy_bf16(y: &mut [f32], alpha: f32, x: &[u16]) {
-    let n = y.len().min(x.len());
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    {
-        // Safety: both slices hold n elements and do not overlap (&mut vs &).
-        unsafe { avx::axpy_bf16(y.as_mut_ptr(), alpha, x.as_ptr(), n) }
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    portable::axpy(&mut y[..n], alpha, &x[..n], |h| f32::from_bits((h as u32) << 16))
-}
-
-/// `dot` and `axpy` without AVX2, for f32 and bf16 operands alike (`w` widens one element), so
-/// that both sum in the same order there too.
+/// `dot` and `axpy` without AVX2 (`w` reads one element of the second operand).
 #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
 mod portable {
     #[inline(always)]
@@ -149,8 +124,7 @@ mod portable {
 mod avx {
     use std::arch::x86_64::*;
 
-    /// Σ a[i]·b[i] where `load8(i)` gives b[i..i + 8] as f32 lanes and `at(i)` gives b[i]: one
-    /// body for f32 and bf16 operands, so both sum in the same order.
+    /// Σ a[i]·b[i] where `load8(i)` gives b[i..i + 8] as f32 lanes and `at(i)` gives b[i].
     #[inline(always)]
     unsafe fn dot_by(a: *const f32, n: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> f32 {
         let mut acc0 = _mm256_setzero_ps();
@@ -188,31 +162,17 @@ mod avx {
         }
     }
 
-    /// 8 bf16 bits at `p` as 8 f32 lanes.
-    #[inline(always)]
-    unsafe fn load_bf16(p: *const u16) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
-    }
-
     #[inline(always)]
     pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
         dot_by(a, n, |i| _mm256_loadu_ps(b.add(i)), |i| *b.add(i))
     }
 
-    #[inline(always)]
-    pub unsafe fn dot_bf16(a: *const f32, b: *const u16, n: usize) -> f32 {
-        dot_by(a, n, |i| load_bf16(b.add(i)), |i| f32::from_bits((*b.add(i) as u32) << 16))
-    }
 
     #[inline(always)]
     pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
         axpy_by(y, alpha, n, |i| _mm256_loadu_ps(x.add(i)), |i| *x.add(i))
     }
 
-    #[inline(always)]
-    pub unsafe fn axpy_bf16(y: *mut f32, alpha: f32, x: *const u16, n: usize) {
-        axpy_by(y, alpha, n, |i| load_bf16(x.add(i)), |i| f32::from_bits((*x.add(i) as u32) << 16))
-    }
 
     /// `exp_lane` on 8 lanes, the same operations in the same order.
     #[inline(always)]
