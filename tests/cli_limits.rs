@@ -177,6 +177,10 @@ fn output_that_is_an_input_is_refused() {
     std::fs::write(a.model.join("traj.jsonl"), "old\n").unwrap();
     a.ok("rollout", &a.data, &a.model.join("traj.jsonl"), &[]);
     a.ok("eval", &a.data, &t.join("ev2"), &[]);
+    // an evaluation is never written over: a second eval into ev2 is refused and the first is kept
+    let before = std::fs::read(t.join("ev2/results.json")).unwrap();
+    a.fails("eval", &a.data, &t.join("ev2"), &[], &["--out", "already holds an evaluation", "results.json"]);
+    assert_eq!(std::fs::read(t.join("ev2/results.json")).unwrap(), before);
 }
 
 // ---- item 10: --chunk-tokens 0 ----------------------------------------------------------------

@@ -19,5 +19,7 @@ for task in needle multihop; do
     files+=("$f")
   done
 done
+# an --out that already holds results is refused: a finished run is reported as it stands
+[ -f "$OUT/eval/results.json" ] && { echo "already evaluated: $OUT/eval (remove it to run again)"; exit 0; }
 $B eval --model "$SMOL" --data "${files[@]}" --chunk-tokens 512 --memory-tokens 128 --answer-tokens 32 \
   --batch-queries 50 --out "$OUT/eval" "$@"

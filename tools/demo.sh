@@ -36,7 +36,7 @@ else
 fi
 
 echo "== trained adapter on the same held-out questions (greedy)"
-$B eval --model "$SMOL" --adapter "$OUT/train/adapter" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-trained"
+[ -f "$OUT/eval-trained/results.json" ] || $B eval --model "$SMOL" --adapter "$OUT/train/adapter" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-trained"
 
 python3 - "$OUT" <<'PY'
 import json, sys

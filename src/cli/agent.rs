@@ -125,7 +125,8 @@ pub struct EvalArgs {
     /// Seed of the --lengths padding (decoding is greedy).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Output directory (results.json, results.md, accuracy.png, memory_curve.png, predictions.jsonl).
+    /// Output directory (results.json, results.md, accuracy.png, memory_curve.png, predictions.jsonl);
+    /// one that already holds a finished evaluation (results.json) is refused.
     #[arg(long)]
     pub out: PathBuf,
     /// Also print the result rows and the run's settings as one JSON line.
@@ -385,7 +386,18 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     for name in EVAL_OUTPUTS {
         limits::check_not_input("--out", &a.out.join(name), &ins)?;
     }
+    // an evaluation is never written over another (results.json marks a finished one, as for
+    // `study`; what an interrupted one left is replaced): refused now, and checked again under
+    // the directory's lock when the results are written
+    check_no_evaluation(&a.out)?;
     crate::with_model!(a.model, |model| eval_on(&model, &a))
+}
+
+fn check_no_evaluation(out: &Path) -> Result<()> {
+    if out.join("results.json").exists() {
+        bail!("--out {}: already holds an evaluation (results.json); choose another --out or remove that one", out.display());
+    }
+    Ok(())
 }
 
 fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
@@ -425,7 +437,9 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let evaluated: Vec<eval::Evaluated> =
         items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
     let rows = eval::summarize(&evaluated);
-    std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    // two evaluations into one --out: the one that finishes second is refused, not mixed in
+    let _lock = infomem_engine::util::lock::lock_dir(&a.out, "--out")?;
+    check_no_evaluation(&a.out)?;
     let mut preds = Vec::new();
     for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
         let t = &g[0];

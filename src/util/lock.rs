@@ -1,5 +1,5 @@
 //! An exclusive lock on a run directory for a process's lifetime (`flock` on a lock file inside
-//! it), so two `train` runs never write into one `--out`. The kernel drops the lock when the
+//! it), so two `train` (or `eval`) runs never write into one `--out`. The kernel drops the lock when the
 //! holder exits, however it exits: a lock file left behind by a dead run blocks nothing.
 use anyhow::{bail, Context, Result};
 use std::fs::File;
@@ -45,7 +45,7 @@ pub fn lock_dir(dir: &Path, what: &str) -> Result<DirLock> {
                     Err(_) => "a process that has not written its pid yet".to_string(),
                 };
                 bail!(
-                    "{what} {} is in use by another train run ({holder}, holding {}); wait for it to finish or stop it, or choose another {what}",
+                    "{what} {} is in use by another run ({holder}, holding {}); wait for it to finish or stop it, or choose another {what}",
                     dir.display(),
                     path.display()
                 );
