@@ -69,7 +69,23 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         unsafe { avx::dot(a.as_ptr(), b.as_ptr(), n) }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    portable::dot(&a[..n], &b[..n], |y| y)
+    {
+        let (a, b) = (&a[..n], &b[..n]);
+        let mut acc = [0f32; 8];
+        let ca = a.chunks_exact(8);
+        let cb = b.chunks_exact(8);
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (x, y) in ra.iter().zip(rb) {
+            s += x * y;
+        }
+        s
+    }
 }
 
 /// y += alpha · x
@@ -82,41 +98,8 @@ pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
         unsafe { avx::axpy(y.as_mut_ptr(), alpha, x.as_ptr(), n) }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    portable::axpy(&mut y[..n], alpha, &x[..n], |v| v)
-}
-
-/// `dst[i] = f32(src[i])` for bf16 bits (exact: a bf16 is an f32 with its low 16 bits zero).
-pub fn widen_bf16(dst: &mut [f32], src: &[u16]) {
-    for (d, &h) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((h as u32) << 16);
-    }
-}
-
-/// `dot` and `axpy` without AVX2 (`w` reads one element of the second operand).
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-mod portable {
-    #[inline(always)]
-    pub fn dot<T: Copy>(a: &[f32], b: &[T], w: impl Fn(T) -> f32) -> f32 {
-        let mut acc = [0f32; 8];
-        let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for l in 0..8 {
-                acc[l] += x[l] * w(y[l]);
-            }
-        }
-        let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for (x, &y) in ra.iter().zip(rb) {
-            s += x * w(y);
-        }
-        s
-    }
-
-    #[inline(always)]
-    pub fn axpy<T: Copy>(y: &mut [f32], alpha: f32, x: &[T], w: impl Fn(T) -> f32) {
-        for (a, &b) in y.iter_mut().zip(x) {
-            *a += alpha * w(b);
-        }
+    for (a, b) in y[..n].iter_mut().zip(&x[..n]) {
+        *a += alpha * b;
     }
 }
 
@@ -124,55 +107,27 @@ mod portable {
 mod avx {
     use std::arch::x86_64::*;
 
-    /// Σ a[i]·b[i] where `load8(i)` gives b[i..i + 8] as f32 lanes and `at(i)` gives b[i].
     #[inline(always)]
-    unsafe fn dot_by(a: *const f32, n: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> f32 {
+    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
         let mut acc0 = _mm256_setzero_ps();
         let mut acc1 = _mm256_setzero_ps();
         let mut i = 0;
         while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load8(i), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), load8(i + 8), acc1);
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8)), _mm256_loadu_ps(b.add(i + 8)), acc1);
             i += 16;
         }
         if i + 8 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), load8(i), acc0);
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc0);
             i += 8;
         }
         let mut r = hsum(_mm256_add_ps(acc0, acc1));
         while i < n {
-            r += *a.add(i) * at(i);
+            r += *a.add(i) * *b.add(i);
             i += 1;
         }
         r
     }
-
-    /// y[i] += alpha·x[i], `load8`/`at` reading x as in `dot_by`.
-    #[inline(always)]
-    unsafe fn axpy_by(y: *mut f32, alpha: f32, n: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) {
-        let av = _mm256_set1_ps(alpha);
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, load8(i), _mm256_loadu_ps(y.add(i))));
-            i += 8;
-        }
-        while i < n {
-            *y.add(i) += alpha * at(i);
-            i += 1;
-        }
-    }
-
-    #[inline(always)]
-    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
-        dot_by(a, n, |i| _mm256_loadu_ps(b.add(i)), |i| *b.add(i))
-    }
-
-
-    #[inline(always)]
-    pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
-        axpy_by(y, alpha, n, |i| _mm256_loadu_ps(x.add(i)), |i| *x.add(i))
-    }
-
 
     /// `exp_lane` on 8 lanes, the same operations in the same order.
     #[inline(always)]
@@ -244,6 +199,19 @@ mod avx {
         }
     }
 
+    #[inline(always)]
+    pub unsafe fn axpy(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
+        let av = _mm256_set1_ps(alpha);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *y.add(i) += alpha * *x.add(i);
+            i += 1;
+        }
+    }
 }
 
 const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
