@@ -66,30 +66,32 @@ fn decode_matmul(c: &mut Criterion) {
 }
 
 fn prefill_attention(c: &mut Criterion) {
-    let be = CpuBackend::new();
     let (seqs_n, len) = (8usize, 512usize);
     let rows = seqs_n * len;
     let qkv = data(rows * GEOM.qkv_dim(), 3);
     let pages_per = len / GEOM.page_size;
-    let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
-    let slots: Vec<u32> = (0..rows as u32).collect(); // sequence s owns pages s·8 .. s·8+8
-    let qkv_buf = be.upload(&qkv).unwrap();
-    be.kv_store(&mut kv, 0, &qkv_buf, &slots, GEOM).unwrap();
-    let pages: Vec<Vec<u32>> = (0..seqs_n).map(|s| ((s * pages_per) as u32..((s + 1) * pages_per) as u32).collect()).collect();
-    let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len, n_q: len, ctx_len: len, pages: &pages[s] }).collect();
-    let mut out = vec![0f32; rows * GEOM.q_dim()];
     let mut g = c.benchmark_group("attention");
     g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(rows as u64)); // tokens
-    g.bench_function("prefill 8x512 (one layer)", |b| b.iter(|| attention::attention(&kv, 0, black_box(&qkv), &seqs, &mut out)));
+    // f32, and bf16 (its cache; on CPUs with AMX the tile attention of `attention_amx`)
+    for (name, be) in [("f32", CpuBackend::new()), ("bf16", CpuBackend::with_weights(WeightDtype::Bf16))] {
+        let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
+        let slots: Vec<u32> = (0..rows as u32).collect(); // sequence s owns pages s·8 .. s·8+8
+        let qkv_buf = be.upload(&qkv).unwrap();
+        be.kv_store(&mut kv, 0, &qkv_buf, &slots, GEOM).unwrap();
+        let pages: Vec<Vec<u32>> = (0..seqs_n).map(|s| ((s * pages_per) as u32..((s + 1) * pages_per) as u32).collect()).collect();
+        let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len, n_q: len, ctx_len: len, pages: &pages[s], sampled: false }).collect();
+        let mut out = vec![0f32; rows * GEOM.q_dim()];
+        g.bench_function(format!("prefill 8x512, {name} (one layer)"), |b| b.iter(|| attention::attention(&kv, 0, black_box(&qkv), &seqs, &mut out)));
 
-    let dense: Vec<DenseSeq> = (0..seqs_n).map(|s| DenseSeq { row0: s * len, len }).collect();
-    let mut o = be.zeros(rows * GEOM.q_dim()).unwrap();
-    let mut lse = be.zeros(rows * GEOM.n_heads).unwrap();
-    g.bench_function("train fwd 8x512 (one layer)", |b| b.iter(|| be.attn_dense(&qkv_buf, &dense, GEOM, &mut o, &mut lse).unwrap()));
-    let dout = be.upload(&data(rows * GEOM.q_dim(), 4)).unwrap();
-    let mut dqkv = be.zeros(rows * GEOM.qkv_dim()).unwrap();
-    g.bench_function("train bwd 8x512 (one layer)", |b| b.iter(|| be.attn_dense_bwd(&qkv_buf, &o, &dout, &lse, &dense, GEOM, &mut dqkv).unwrap()));
+        let dense: Vec<DenseSeq> = (0..seqs_n).map(|s| DenseSeq { row0: s * len, len }).collect();
+        let mut o = be.zeros(rows * GEOM.q_dim()).unwrap();
+        let mut lse = be.zeros(rows * GEOM.n_heads).unwrap();
+        g.bench_function(format!("train fwd 8x512, {name} (one layer)"), |b| b.iter(|| be.attn_dense(&qkv_buf, &dense, GEOM, &mut o, &mut lse).unwrap()));
+        let dout = be.upload(&data(rows * GEOM.q_dim(), 4)).unwrap();
+        let mut dqkv = be.zeros(rows * GEOM.qkv_dim()).unwrap();
+        g.bench_function(format!("train bwd 8x512, {name} (one layer)"), |b| b.iter(|| be.attn_dense_bwd(&qkv_buf, &o, &dout, &lse, &dense, GEOM, &mut dqkv).unwrap()));
+    }
     g.finish();
 }
 
@@ -102,7 +104,7 @@ fn decode_attention(c: &mut Criterion) {
     let qkv = data(rows * GEOM.qkv_dim(), 5);
     let pages_per = len / GEOM.page_size;
     let pages: Vec<Vec<u32>> = (0..seqs_n).map(|s| ((s * pages_per) as u32..((s + 1) * pages_per) as u32).collect()).collect();
-    let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len + len - 1, n_q: 1, ctx_len: len, pages: &pages[s] }).collect();
+    let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len + len - 1, n_q: 1, ctx_len: len, pages: &pages[s], sampled: false }).collect();
     let mut out = vec![0f32; rows * GEOM.q_dim()];
     let mut g = c.benchmark_group("decode attention");
     g.sample_size(20).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));

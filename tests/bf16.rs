@@ -54,7 +54,7 @@ fn bf16_logits_logprobs_and_gains_within_bf16_bounds() {
             let mut kv = runtime::kv_for(&m, ctx.len() + tgt.len()).unwrap();
             let mut seq = Seq::default();
             let toks: Vec<u32> = ctx.iter().chain(&tgt[..tgt.len() - 1]).copied().collect();
-            let mut e = [Entry { seq: &mut seq, tokens: &toks, want: Want::LogProbs { first_row: ctx.len() - 1, targets: tgt.to_vec() } }];
+            let mut e = [Entry { seq: &mut seq, tokens: &toks, want: Want::LogProbs { first_row: ctx.len() - 1, targets: tgt.to_vec() }, sampled: false }];
             m.step(&mut kv, &mut e).unwrap().remove(0).logprobs
         };
         let target = ids(&g["target"]);
@@ -184,7 +184,7 @@ fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
             .zip(&n_q)
             .zip(&pages)
             .map(|((&len, &nq), p)| {
-                let s = AttnSeq { q_row: row0 + len - nq, n_q: nq, ctx_len: len, pages: p };
+                let s = AttnSeq { q_row: row0 + len - nq, n_q: nq, ctx_len: len, pages: p, sampled: false };
                 row0 += len;
                 s
             })

@@ -32,7 +32,7 @@ fn forward_logits_match_transformers() {
             let mut kv = runtime::kv_for(&m, ids.len()).unwrap();
             let mut seq = Seq::default();
             let targets: Vec<u32> = ids[1..].to_vec();
-            let mut e = [Entry { seq: &mut seq, tokens: &ids, want: Want::LogProbs { first_row: 0, targets: targets.clone() } }];
+            let mut e = [Entry { seq: &mut seq, tokens: &ids, want: Want::LogProbs { first_row: 0, targets: targets.clone() }, sampled: false }];
             let lps = m.step(&mut kv, &mut e).unwrap().remove(0).logprobs;
             for (t, &lp) in lps.iter().enumerate() {
                 let r = log_softmax(&want[t * shape[1]..(t + 1) * shape[1]])[targets[t] as usize];
@@ -185,7 +185,7 @@ fn forked_prefix_scores_like_fresh() {
     let target = vec![90u32, 91, 92, 93];
     let mut kv = runtime::kv_for(&m, 1024).unwrap();
     let mut base = Seq::default();
-    let mut e = [Entry { seq: &mut base, tokens: &prefix, want: Want::Nothing }];
+    let mut e = [Entry { seq: &mut base, tokens: &prefix, want: Want::Nothing, sampled: false }];
     m.step(&mut kv, &mut e).unwrap();
     for tail in &tails {
         let fork = kv.fork(&base);

@@ -61,7 +61,7 @@ fn check_chat_cases(m: &Model<CpuBackend>, tie_margin: f64, check_logits: impl F
         let (_, want) = expected(case["last_logits"].as_str().unwrap());
         let mut kv = runtime::kv_for(m, prompt.len() + 32).unwrap();
         let mut seq = Seq::default();
-        let mut e = [Entry { seq: &mut seq, tokens: &prompt, want: Want::Logits }];
+        let mut e = [Entry { seq: &mut seq, tokens: &prompt, want: Want::Logits, sampled: false }];
         let got = m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap();
         check_logits(i, &got, &want);
         kv.release(&m.be, seq);

@@ -84,6 +84,10 @@ pub struct AttnSeq<'a> {
     pub n_q: usize,
     pub ctx_len: usize,
     pub pages: &'a [u32],
+    /// The rows are the sequence's own sampled tokens (decode), not fed text. The CPU's bf16
+    /// attention computes sampled rows with its direct kernels and fed rows on AMX tiles, so a
+    /// row gets the same bits however the scheduler chunks a prompt (`cpu::attention`).
+    pub sampled: bool,
 }
 
 /// How to pick the next token of one row.

@@ -25,6 +25,8 @@ pub struct Entry<'a> {
     pub seq: &'a mut Seq,
     pub tokens: &'a [u32],
     pub want: Want,
+    /// `tokens` were sampled by this sequence (decode), not fed (see `AttnSeq::sampled`).
+    pub sampled: bool,
 }
 
 /// A row's logits were not finite (NaN or Inf: NaN/Inf weights or adapter, or an overflow in
@@ -96,7 +98,7 @@ impl<B: Backend> Model<B> {
             .iter()
             .zip(&row0)
             .filter(|(e, _)| !e.tokens.is_empty())
-            .map(|(e, &r)| AttnSeq { q_row: r, n_q: e.tokens.len(), ctx_len: e.seq.len + e.tokens.len(), pages: &e.seq.pages })
+            .map(|(e, &r)| AttnSeq { q_row: r, n_q: e.tokens.len(), ctx_len: e.seq.len + e.tokens.len(), pages: &e.seq.pages, sampled: e.sampled })
             .collect();
 
         // ---- the transformer ----

@@ -136,7 +136,8 @@ pub fn generate<B: Backend>(
                 .iter_mut()
                 .zip(&toks)
                 .zip(wants)
-                .map(|((seq, t), want)| Entry { seq, tokens: t, want })
+                .zip(&plan)
+                .map(|(((seq, t), want), &(_, a, _))| Entry { seq, tokens: t, want, sampled: a == usize::MAX })
                 .collect();
             let outs = model.step(kv, &mut entries);
             drop(entries);
@@ -252,7 +253,7 @@ fn feed_chunks<B: Backend>(
             let mut entries: Vec<Entry> = plan
                 .iter()
                 .zip(taken.iter_mut())
-                .map(|(&(i, a, b), seq)| Entry { seq, tokens: &feeds[i][a..b], want: want(i, a, b) })
+                .map(|(&(i, a, b), seq)| Entry { seq, tokens: &feeds[i][a..b], want: want(i, a, b), sampled: false })
                 .collect();
             let outs = model.step(kv, &mut entries);
             drop(entries);

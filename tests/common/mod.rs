@@ -51,7 +51,7 @@ pub fn logits_incremental<B: infomem_engine::backend::Backend>(m: &Model<B>, ids
     let mut seq = infomem_engine::runtime::Seq::default();
     let mut out = vec![];
     for t in 0..ids.len() {
-        let mut e = [infomem_engine::runtime::Entry { seq: &mut seq, tokens: &ids[t..t + 1], want: infomem_engine::runtime::Want::Logits }];
+        let mut e = [infomem_engine::runtime::Entry { seq: &mut seq, tokens: &ids[t..t + 1], want: infomem_engine::runtime::Want::Logits, sampled: false }];
         out.push(m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap());
     }
     out

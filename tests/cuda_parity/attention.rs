@@ -37,11 +37,11 @@ fn paged_attention_mixed_batch() {
         let pd = vec![0u32, 1, 2, 390];
         write(&mut dkv, &mut ckv, &pd, 55, 64, &mut rng);
         let seqs = vec![
-            AttnSeq { q_row: 0, n_q: 1, ctx_len: 2500, pages: &pa },
-            AttnSeq { q_row: 1, n_q: 580, ctx_len: 900, pages: &pb },
-            AttnSeq { q_row: 581, n_q: 1, ctx_len: 1, pages: &pc },
-            AttnSeq { q_row: 582, n_q: 9, ctx_len: 64, pages: &pd },
-            AttnSeq { q_row: 591, n_q: 1, ctx_len: 700, pages: &pb },
+            AttnSeq { q_row: 0, n_q: 1, ctx_len: 2500, pages: &pa, sampled: false },
+            AttnSeq { q_row: 1, n_q: 580, ctx_len: 900, pages: &pb, sampled: false },
+            AttnSeq { q_row: 581, n_q: 1, ctx_len: 1, pages: &pc, sampled: false },
+            AttnSeq { q_row: 582, n_q: 9, ctx_len: 64, pages: &pd, sampled: false },
+            AttnSeq { q_row: 591, n_q: 1, ctx_len: 700, pages: &pb, sampled: false },
         ];
         let rows = 592;
         let qkv = CpuBuf::from(randn_bf(&mut rng, rows * width, 1.5));

@@ -18,7 +18,7 @@ pub(super) fn step_logits<B: Backend>(m: &Model<B>, prefix: &[u32], path: &[u32]
     let mut out = Vec::new();
     let mut feed = prefix.to_vec();
     for i in 0..=path.len() {
-        let mut e = [Entry { seq: &mut seq, tokens: &feed, want: Want::Logits }];
+        let mut e = [Entry { seq: &mut seq, tokens: &feed, want: Want::Logits, sampled: false }];
         out.push(m.step(&mut kv, &mut e).unwrap().remove(0).logits.unwrap());
         if i < path.len() {
             feed = vec![path[i]];
@@ -173,7 +173,7 @@ fn qwen2_half_b_layer_batched() {
     fn score_forks<B: Backend>(m: &Model<B>, prompt: &[u32], tails: &[Vec<u32>]) -> Vec<Vec<f32>> {
         let mut kv = runtime::kv_for(m, 4 * 1000).unwrap();
         let mut base = Seq::default();
-        let mut e = [Entry { seq: &mut base, tokens: prompt, want: Want::Nothing }];
+        let mut e = [Entry { seq: &mut base, tokens: prompt, want: Want::Nothing, sampled: false }];
         m.step(&mut kv, &mut e).unwrap();
         let reqs = tails
             .iter()

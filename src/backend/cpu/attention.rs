@@ -14,6 +14,7 @@
 //!
 //! Element type (`KvElem`): f32 with `--dtype f32`, bf16 with `--dtype bf16` (as on CUDA: K and V
 //! rounded to nearest even when stored, widened to f32 when read; scores, softmax and sums f32).
+use super::attention_amx as amx;
 use super::matmul::{gemm_raw, SendPtr};
 use crate::backend::{AttnGeom, AttnSeq};
 use rayon::prelude::*;
@@ -22,10 +23,14 @@ use rayon::prelude::*;
 /// policy: half the bytes every decode step streams; values rounded once, to nearest even, as
 /// they are stored; the arithmetic stays f32).
 pub trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// bf16 pages: fed rows run on AMX tiles where the CPU has them (`attention_amx`).
+    const BF16: bool;
     /// `x` as stored (bf16: rounded to nearest even).
     fn round(x: f32) -> Self;
     /// The stored value as f32 (exact).
     fn widen(self) -> f32;
+    /// The stored value as bf16 bits (f32: rounded to nearest even).
+    fn bits(self) -> u16;
     /// Widen `src` into `dst` (same length).
     fn get(dst: &mut [f32], src: &[Self]) {
         for (d, &x) in dst.iter_mut().zip(src) {
@@ -35,6 +40,7 @@ pub trait KvElem: Copy + Default + Send + Sync + 'static {
 }
 
 impl KvElem for f32 {
+    const BF16: bool = false;
     #[inline(always)]
     fn round(x: f32) -> f32 {
         x
@@ -43,12 +49,17 @@ impl KvElem for f32 {
     fn widen(self) -> f32 {
         self
     }
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        super::gemm_bf16::f32_to_bf16_bits(self)
+    }
     fn get(dst: &mut [f32], src: &[f32]) {
         dst.copy_from_slice(src);
     }
 }
 
 impl KvElem for u16 {
+    const BF16: bool = true;
     #[inline(always)]
     fn round(x: f32) -> u16 {
         super::gemm_bf16::f32_to_bf16_bits(x)
@@ -57,6 +68,10 @@ impl KvElem for u16 {
     fn widen(self) -> f32 {
         // a bf16 is the high half of an f32
         f32::from_bits((self as u32) << 16)
+    }
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self
     }
 }
 
@@ -233,7 +248,11 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = &seqs[si];
-        if s.n_q <= DIRECT_MAX_Q {
+        // bf16 on AMX: fed rows on tiles, sampled rows direct, whatever their number (a row's
+        // bits must not depend on how a prompt was chunked); otherwise both kernels give the
+        // same bits and the row count chooses
+        let tiles = T::BF16 && amx::usable(hd);
+        if (tiles && s.sampled) || (!tiles && s.n_q <= DIRECT_MAX_Q) {
             // decode rows: read keys/values straight from the pages (no gather copy), once for
             // all query heads of the group
             for r in 0..s.n_q {
@@ -246,6 +265,9 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
             return;
         }
         let n = s.ctx_len;
+        if tiles {
+            return amx::with_scratch(|kt, vp, sc| kv.prefill_amx(layer, qkv, s, kvh, kt, vp, sc, &outp));
+        }
         // Kᵀ [hd, n], row-major (as the pages hold it): the score GEMM packs its B panels by
         // plain row copies instead of a strided transpose per query block.
         let mut kbuf = vec![0f32; n * hd];
@@ -285,6 +307,90 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
             r0 += bq;
         }
     });
+}
+
+impl<T: KvElem> KvPages<T> {
+    /// Prefill rows of one (sequence, kv head) on AMX tiles (`attention_amx`: Q and the softmax
+    /// numerators rounded to bf16, as the CUDA backend's tensor-core attention does); K and V are
+    /// packed straight from the pages.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_amx(
+        &self,
+        layer: usize,
+        qkv: &[f32],
+        s: &AttnSeq,
+        kvh: usize,
+        kt: &mut Vec<u32>,
+        vp: &mut Vec<u32>,
+        sc: &mut amx::Scratch,
+        outp: &SendPtr<f32>,
+    ) {
+        let g = self.geom;
+        let (hd, group, n, ps) = (g.head_dim, g.n_heads / g.n_kv_heads, s.ctx_len, g.page_size);
+        let (width, q_dim) = (g.qkv_dim(), g.q_dim());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let first_pos = n - s.n_q;
+        let (kb, vb) = (block(&g, layer, 0, kvh), block(&g, layer, 1, kvh));
+        // Kᵀ panels: word (pair q, key j) = K[j][2q], K[j][2q+1]; V panels: word (pair q of keys,
+        // column c) = V[2q][c], V[2q+1][c] (see attention_amx's operand layout)
+        let (kp, np) = (hd / 2, n.next_multiple_of(amx::T) / 2);
+        kt.clear();
+        kt.resize(n.div_ceil(amx::T) * kp * amx::T, 0);
+        vp.clear();
+        vp.resize(hd / amx::T * np * amx::T, 0);
+        assert!(
+            n.div_ceil(ps) <= s.pages.len(),
+            "sequence has {n} tokens but only {} pages",
+            s.pages.len()
+        );
+        for j in 0..n {
+            let page = self.page(s.pages[j / ps]);
+            let (keys, vals) = (&page[kb..], &page[vb + (j % ps) * hd..][..hd]);
+            let kt_j = &mut kt[(j / amx::T) * kp * amx::T + j % amx::T..];
+            for q in 0..kp {
+                kt_j[q * amx::T] = keys[2 * q * ps + j % ps].bits() as u32
+                    | (keys[(2 * q + 1) * ps + j % ps].bits() as u32) << 16;
+            }
+            // value row j is the low (j even) or high half of its pair's words
+            let shift = 16 * (j % 2);
+            for (c, v) in vals.iter().enumerate() {
+                vp[(c / amx::T) * np * amx::T + (j / 2) * amx::T + c % amx::T] |=
+                    (v.bits() as u32) << shift;
+            }
+        }
+        let tiles = amx::Tiles::new();
+        let mut r0 = 0;
+        while r0 < s.n_q {
+            let bq = BQ.min(s.n_q - r0);
+            // the group's query heads stacked head-major: i = h·bq + r
+            let at = |i: usize| (s.q_row + r0 + i % bq, (kvh * group + i / bq) * hd);
+            let q = |i: usize| {
+                let (row, col) = at(i);
+                &qkv[row * width + col..][..hd]
+            };
+            amx::forward(
+                &tiles,
+                kt,
+                vp,
+                np * amx::T,
+                hd,
+                group * bq,
+                q,
+                |i| first_pos + r0 + i % bq + 1,
+                scale,
+                sc,
+                |_, _| {},
+            );
+            for (i, o) in sc.o.chunks_exact(hd).take(group * bq).enumerate() {
+                let (row, col) = at(i);
+                // Safety: rows of this sequence, columns of this kv group's heads: this task's only
+                unsafe {
+                    std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + col), hd)
+                };
+            }
+            r0 += bq;
+        }
+    }
 }
 
 /// `qg[h·bq + r] = qkv[row0 + r, col0 + h·hd ..][..hd]`: the query heads of one GQA group for
@@ -632,9 +738,11 @@ mod tests {
 
     /// Causal GQA attention in f64 for the last `n_q` rows of a sequence whose K and V are `qkv`
     /// rows `row0..row0 + len` (K and V rounded to bf16 first when `bf16`).
-    fn reference(qkv: &[f32], g: AttnGeom, row0: usize, len: usize, n_q: usize, bf16: bool) -> Vec<f64> {
+    /// With `round_q` the queries are rounded to bf16 too (the AMX prefill's operands).
+    fn reference(qkv: &[f32], g: AttnGeom, row0: usize, len: usize, n_q: usize, bf16: bool, round_q: bool) -> Vec<f64> {
         let (w, hd, group) = (g.qkv_dim(), g.head_dim, g.n_heads / g.n_kv_heads);
         let kvv = |x: f32| if bf16 { f32::from_bits((f32_to_bf16_bits(x) as u32) << 16) as f64 } else { x as f64 };
+        let qv = |x: f32| if round_q { kvv(x) } else { x as f64 };
         let mut out = vec![0f64; n_q * g.q_dim()];
         for r in 0..n_q {
             let pos = len - n_q + r;
@@ -644,7 +752,7 @@ mod tests {
                 let sc: Vec<f64> = (0..=pos)
                     .map(|t| {
                         let k = &qkv[(row0 + t) * w + g.q_dim() + kvh * hd..][..hd];
-                        q.iter().zip(k).map(|(&a, &b)| a as f64 * kvv(b)).sum::<f64>() / (hd as f64).sqrt()
+                        q.iter().zip(k).map(|(&a, &b)| qv(a) * kvv(b)).sum::<f64>() / (hd as f64).sqrt()
                     })
                     .collect();
                 let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -669,8 +777,8 @@ mod tests {
         for &(hd, n_heads, n_kv, ps) in &[(64usize, 9usize, 3usize, 16usize), (64, 9, 3, 64), (24, 4, 2, 16), (20, 2, 2, 20), (40, 8, 1, 64), (48, 6, 3, 64)] {
             let g = AttnGeom { n_layers: 1, n_heads, n_kv_heads: n_kv, head_dim: hd, page_size: ps };
             let w = g.qkv_dim();
-            let lens = [70usize, 9, 33, 5];
-            let n_q = [1usize, 3, 20, 4];
+            let lens = [70usize, 9, 33, 5, 100];
+            let n_q = [1usize, 3, 20, 4, 90];
             let rows: usize = lens.iter().sum();
             let mut st = 12345u64;
             let qkv: Vec<f32> = (0..rows * w)
@@ -693,14 +801,18 @@ mod tests {
                     row0 += len;
                 }
                 kv.store(0, &qkv, &slots);
-                let seqs: Vec<AttnSeq> = (0..lens.len()).map(|i| AttnSeq { q_row: starts[i] + lens[i] - n_q[i], n_q: n_q[i], ctx_len: lens[i], pages: &pages[i] }).collect();
+                let seqs: Vec<AttnSeq> = (0..lens.len()).map(|i| AttnSeq { q_row: starts[i] + lens[i] - n_q[i], n_q: n_q[i], ctx_len: lens[i], pages: &pages[i], sampled: n_q[i] <= DIRECT_MAX_Q }).collect();
                 let mut out = vec![f32::NAN; rows * g.q_dim()];
                 attention(&kv, 0, &qkv, &seqs, &mut out);
                 for i in 0..lens.len() {
-                    let want = reference(&qkv, g, starts[i], lens[i], n_q[i], bf16);
+                    // fed rows of bf16 on AMX round Q (in the reference too) and the softmax
+                    // numerators (each by ≤ 2⁻⁸ relative, so the output by ≤ 2⁻⁸·max|v| = 2⁻⁷)
+                    let amx = bf16 && !seqs[i].sampled && amx::usable(hd);
+                    let tol = if amx { 2f64.powi(-7) + 2e-5 } else { 2e-5 };
+                    let want = reference(&qkv, g, starts[i], lens[i], n_q[i], bf16, amx);
                     let got = &out[(starts[i] + lens[i] - n_q[i]) * g.q_dim()..][..n_q[i] * g.q_dim()];
                     let err = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0f64, f64::max);
-                    assert!(err < 2e-5, "hd {hd}, heads {n_heads}/{n_kv}, pages of {ps}, bf16 {bf16}, sequence {i} (len {}, {} rows): max error {err:.2e}", lens[i], n_q[i]);
+                    assert!(err < tol, "hd {hd}, heads {n_heads}/{n_kv}, pages of {ps}, bf16 {bf16}, sequence {i} (len {}, {} rows): max error {err:.2e}", lens[i], n_q[i]);
                 }
             }
         }

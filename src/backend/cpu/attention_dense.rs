@@ -4,6 +4,7 @@
 //! the visible keys, so only a `[BQ, ctx]` score tile exists at a time. The forward keeps each
 //! row's log-sum-exp; the backward recomputes `P = exp(S − lse)` from it (flash-attention style).
 use super::attention::{stack_group, unstack_group};
+use super::attention_amx as amx;
 use super::matmul::{gemm_raw, SendPtr};
 use super::memory::transpose;
 use super::simd::{dot, exp_scaled_sub, exp_sub_sum, simd_kernel};
@@ -22,7 +23,12 @@ simd_kernel! {
     }
 }
 
-pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
+/// `bf16`: `--dtype bf16`, whose attention runs on AMX tiles where the CPU has them
+/// (`attention_amx`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
+pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32], bf16: bool) {
+    if bf16 && amx::usable(g.head_dim) {
+        return attn_dense_amx(qkv, seqs, g, out, lse);
+    }
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
     let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
@@ -71,6 +77,73 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
                 r0 += bq;
             }
         }
+    });
+}
+
+/// `attn_dense` on AMX tiles: per (sequence, kv head) K and V packed once, then blocks of `BQ`
+/// query rows of all the group's heads (`attention_amx::forward`).
+fn attn_dense_amx(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
+    let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
+    let group = nh / nkv;
+    let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let outp = SendPtr(out.as_mut_ptr());
+    let lsep = SendPtr(lse.as_mut_ptr());
+    let mut tasks: Vec<(usize, usize)> = (0..seqs.len())
+        .flat_map(|s| (0..nkv).map(move |h| (s, h)))
+        .collect();
+    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    tasks.par_iter().for_each(|&(si, kvh)| {
+        let s = seqs[si];
+        let n = s.len;
+        amx::with_scratch(|kt, vp, sc| {
+            let tiles = amx::Tiles::new();
+            let kcol = q_dim + kvh * hd;
+            amx::pack_panels_rows(kt, n, hd, |j| &qkv[(s.row0 + j) * width + kcol..][..hd]);
+            let vs = amx::pack_panels_cols(vp, n, hd, |j| {
+                &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd]
+            });
+            let mut r0 = 0;
+            while r0 < n {
+                let bq = BQ.min(n - r0);
+                // the group's query heads stacked head-major: i = h·bq + r
+                let at = |i: usize| (s.row0 + r0 + i % bq, kvh * group + i / bq);
+                let q = |i: usize| {
+                    let (row, h) = at(i);
+                    &qkv[row * width + h * hd..][..hd]
+                };
+                let lse_at = |i: usize, v: f32| {
+                    let (row, h) = at(i);
+                    // Safety: rows of this sequence, heads of this kv group: this task's only
+                    unsafe { *lsep.get().add(row * nh + h) = v };
+                };
+                amx::forward(
+                    &tiles,
+                    kt,
+                    vp,
+                    vs,
+                    hd,
+                    group * bq,
+                    q,
+                    |i| r0 + i % bq + 1,
+                    scale,
+                    sc,
+                    lse_at,
+                );
+                for (i, o) in sc.o.chunks_exact(hd).take(group * bq).enumerate() {
+                    let (row, h) = at(i);
+                    // Safety: as above
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            o.as_ptr(),
+                            outp.get().add(row * q_dim + h * hd),
+                            hd,
+                        )
+                    };
+                }
+                r0 += bq;
+            }
+        });
     });
 }
 

@@ -880,7 +880,7 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
 /// the instructions are written as inline assembly; the tile registers are not known to the
 /// compiler, which never uses them.
 #[cfg(target_arch = "x86_64")]
-mod amx {
+pub(crate) mod amx {
     use super::{AMX_MR, NR};
     use std::arch::asm;
 
@@ -918,6 +918,11 @@ mod amx {
     /// (kb a multiple of 16). B tiles load straight from the packed panel (a pair row is NR
     /// words = 128 bytes; its two 16-column halves are the two B tiles).
     pub unsafe fn block(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums) {
+        block_to(a, lda, b, kb, sums.0.as_mut_ptr(), NR);
+    }
+
+    /// `block` storing the 32 × 32 sums at `c` (row stride `ldc` f32), all 32 rows and columns.
+    pub unsafe fn block_to(a: *const u32, lda: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
         debug_assert!(kb % 16 == 0);
         asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
         let mut s = 0;
@@ -941,7 +946,6 @@ mod amx {
             );
             s += 16;
         }
-        let c = sums.0.as_mut_ptr();
         asm!(
             "tilestored [{c0} + {sc}*1], tmm0",
             "tilestored [{c1} + {sc}*1], tmm1",
@@ -949,9 +953,9 @@ mod amx {
             "tilestored [{c3} + {sc}*1], tmm3",
             c0 = in(reg) c,
             c1 = in(reg) c.add(16),
-            c2 = in(reg) c.add(16 * NR),
-            c3 = in(reg) c.add(16 * NR + 16),
-            sc = in(reg) NR * 4,
+            c2 = in(reg) c.add(16 * ldc),
+            c3 = in(reg) c.add(16 * ldc + 16),
+            sc = in(reg) ldc * 4,
             options(nostack),
         );
     }

@@ -3,6 +3,7 @@
 //! (forward and backward together, the table in `backend/mod.rs`); this file only routes the
 //! trait methods to them.
 pub mod attention;
+pub mod attention_amx;
 pub mod attention_dense;
 pub mod buf;
 #[cfg(target_arch = "x86_64")]
@@ -290,7 +291,7 @@ impl TrainBackend for CpuBackend {
     }
     fn attn_dense(&self, qkv: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention_dense::attn_dense(qkv, seqs, g, out, lse);
+        attention_dense::attn_dense(qkv, seqs, g, out, lse, self.weights == WeightDtype::Bf16);
         Ok(())
     }
     fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> Result<()> {

@@ -334,7 +334,7 @@ mod tests {
         let seqs: Vec<AttnSeq> = shapes
             .iter()
             .map(|&(n_q, ctx)| {
-                let s = AttnSeq { q_row: rows, n_q, ctx_len: ctx, pages: &pages };
+                let s = AttnSeq { q_row: rows, n_q, ctx_len: ctx, pages: &pages, sampled: false };
                 rows += n_q;
                 s
             })
@@ -509,12 +509,12 @@ mod tests {
             f.write(&pf, 0, 40);
             // batch rows not in list order
             let seqs = vec![
-                AttnSeq { q_row: 37, n_q: 1, ctx_len: 300, pages: &pa },
-                AttnSeq { q_row: 38, n_q: 70, ctx_len: 250, pages: &pb },
-                AttnSeq { q_row: 108, n_q: 1, ctx_len: 1, pages: &pc },
-                AttnSeq { q_row: 0, n_q: 37, ctx_len: 100, pages: &pd },
-                AttnSeq { q_row: 112, n_q: 1, ctx_len: 17, pages: &pe },
-                AttnSeq { q_row: 109, n_q: 3, ctx_len: 40, pages: &pf },
+                AttnSeq { q_row: 37, n_q: 1, ctx_len: 300, pages: &pa, sampled: false },
+                AttnSeq { q_row: 38, n_q: 70, ctx_len: 250, pages: &pb, sampled: false },
+                AttnSeq { q_row: 108, n_q: 1, ctx_len: 1, pages: &pc, sampled: false },
+                AttnSeq { q_row: 0, n_q: 37, ctx_len: 100, pages: &pd, sampled: false },
+                AttnSeq { q_row: 112, n_q: 1, ctx_len: 17, pages: &pe, sampled: false },
+                AttnSeq { q_row: 109, n_q: 3, ctx_len: 40, pages: &pf, sampled: false },
             ];
             let rows = 113;
             let plans: Vec<(String, AttnPlan)> = [1usize, 132].iter().map(|&n_sm| (format!("n_sm {n_sm}"), plan(&seqs, &g, f.max_pages, rows, n_sm).unwrap())).collect();
@@ -553,7 +553,7 @@ mod tests {
             for (t, &n) in tables.iter().zip(&long) {
                 f.write(t, 0, n);
             }
-            let seqs: Vec<AttnSeq> = tables.iter().zip(&long).enumerate().map(|(j, (t, &n))| AttnSeq { q_row: j, n_q: 1, ctx_len: n, pages: t }).collect();
+            let seqs: Vec<AttnSeq> = tables.iter().zip(&long).enumerate().map(|(j, (t, &n))| AttnSeq { q_row: j, n_q: 1, ctx_len: n, pages: t, sampled: false }).collect();
             let p = plan(&seqs, &g, f.max_pages, 3, 132).unwrap();
             assert!(p.seqs.iter().all(|s| s.n_splits >= 6), "{:?}", p.seqs);
             let bk = if hd <= 64 { 64 } else { 32 };
@@ -582,9 +582,9 @@ mod tests {
             f.write(&p40, 0, 200);
             f.write(&pd, 0, 40);
             let seqs = vec![
-                AttnSeq { q_row: 0, n_q: 3, ctx_len: 194, pages: &p3 },
-                AttnSeq { q_row: 3, n_q: 40, ctx_len: 200, pages: &p40 },
-                AttnSeq { q_row: 43, n_q: 1, ctx_len: 40, pages: &pd },
+                AttnSeq { q_row: 0, n_q: 3, ctx_len: 194, pages: &p3, sampled: false },
+                AttnSeq { q_row: 3, n_q: 40, ctx_len: 200, pages: &p40, sampled: false },
+                AttnSeq { q_row: 43, n_q: 1, ctx_len: 40, pages: &pd, sampled: false },
             ];
             let mut p = plan(&seqs, &g, f.max_pages, 44, 1).unwrap();
             let mut p100 = plan(&seqs, &g, f.max_pages, 44, 1).unwrap();

@@ -550,7 +550,7 @@ mod tests {
             let (seqs, rows) = batch(&LENS);
             let qkv = qkv_batch(&mut rng, rows, &g, 1.5);
             let (mut want, mut want_lse) = (vec![0f32; rows * g.q_dim()], vec![0f32; rows * nh]);
-            twin::attn_dense(&qkv, &seqs, g, &mut want, &mut want_lse);
+            twin::attn_dense(&qkv, &seqs, g, &mut want, &mut want_lse, false);
             let p = plan(&seqs, &g, rows).unwrap();
             let (mut got, mut got_lse) = (vec![f32::NAN; rows * g.q_dim()], vec![f32::NAN; rows * nh]);
             fwd(&qkv, &g, &p, &mut got, &mut got_lse);
@@ -596,7 +596,7 @@ mod tests {
             let (w, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
             let qkv = qkv_batch(&mut rng, rows, &g, 1.5);
             let (mut out, mut lse) = (vec![0f32; rows * q_dim], vec![0f32; rows * nh]);
-            twin::attn_dense(&qkv, &seqs, g, &mut out, &mut lse);
+            twin::attn_dense(&qkv, &seqs, g, &mut out, &mut lse, false);
             let out: Vec<f32> = out.iter().map(|&x| bf(x)).collect();
             let dout: Vec<f32> = (0..rows * q_dim).map(|_| rng.normal() as f32).collect();
             let mut want = vec![f32::NAN; rows * w];

@@ -1,0 +1,463 @@
+//! bf16 attention on AMX tiles: the many-row attention of `--dtype bf16` (prefill in
+//! `attention.rs`, the training forward and backward in `attention_dense.rs`) on CPUs with AMX
+//! (`gemm_bf16::amx_available`) and a head size that is a whole number of 32-element tile steps.
+//!
+//! Why: in f32 these products have a reduction of one head (64) or one 64-row query block, too
+//! short for the f32 GEMM's packing to pay off; they ran at ~120 GFLOP/s, a third of the FMA peak,
+//! and were the largest op of scoring and of training. `tdpbf16ps` multiplies 16 × 32 by 32 × 16
+//! bf16 per instruction.
+//!
+//! Numerics (docs/DESIGN.md §3): the CUDA backend's tensor-core attention — Q, K, V, the softmax
+//! numerators `exp(s − max)` (and in the backward dO, dS) are rounded to bf16, every product sums in
+//! f32; scores, max, sum, lse, the normalisation and the gradients' accumulators are f32. Each
+//! output element's `tdpbf16ps` sequence depends only on its own row and the key positions (keys
+//! go in 32-key steps from position 0; steps past a row's visible keys multiply zeros), so a row's
+//! result does not depend on the other rows, the query block or the batch.
+//!
+//! Operands, as `gemm_bf16`'s AMX kernel takes them: an A operand is rows of pair words (low half
+//! the even element) padded with zero rows to strips of 32; a B operand is panels of 32 columns,
+//! each `[pairs][32 words]` (the word for pair q, column j holds elements 2q and 2q+1 of the
+//! reduction for output column j).
+#[cfg(target_arch = "x86_64")]
+use super::gemm_bf16::amx;
+use super::gemm_bf16::{amx_available, f32_to_bf16_bits};
+use std::cell::RefCell;
+
+/// Keys (or columns) per panel, rows per strip: the 32 × 32 sums of one AMX block.
+pub const T: usize = 32;
+
+/// Whether the AMX attention runs for heads of `hd`.
+pub fn usable(hd: usize) -> bool {
+    cfg!(target_arch = "x86_64") && hd.is_multiple_of(T) && amx_available()
+}
+
+#[inline(always)]
+fn pair(lo: f32, hi: f32) -> u32 {
+    f32_to_bf16_bits(lo) as u32 | (f32_to_bf16_bits(hi) as u32) << 16
+}
+
+/// `dst[q] = pair(src[2q], src[2q + 1])` (src of even length): little-endian, the pair words of a
+/// row are its bf16 values in order, so this is a narrowing copy (vectorizes).
+#[inline]
+pub fn to_pairs(src: &[f32], dst: &mut [u32]) {
+    let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
+    for (h, &x) in d.iter_mut().zip(src) {
+        *h = f32_to_bf16_bits(x);
+    }
+}
+
+/// One softmax row: `e = exp(scale·x − scale·max)` over `row`, their bf16 values into `dst` (a
+/// pair-word row: its first `row.len()` halves, the rest untouched); with `WRITE` `row` is
+/// overwritten with e (f32). Returns (scale·max, Σ e in f32). `usable()` implies AVX-512.
+#[inline]
+fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) -> (f32, f32) {
+    let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
+    assert!(d.len() >= row.len());
+    #[cfg(target_arch = "x86_64")]
+    // Safety: AVX-512F/BW are present wherever AMX is (`usable`); `d` holds `row.len()` halves.
+    unsafe {
+        x512::softmax_row::<WRITE>(row.as_mut_ptr(), row.len(), scale, d.as_mut_ptr())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("usable() is false off x86_64")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x512 {
+    use crate::backend::cpu::simd::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+    use std::arch::x86_64::*;
+
+    /// `simd::exp`'s operations on 16 lanes (the same bits).
+    #[inline(always)]
+    unsafe fn exp(x: __m512) -> __m512 {
+        let ps = _mm512_set1_ps;
+        let v = _mm512_min_ps(ps(EXP_HI), _mm512_max_ps(ps(EXP_LO), x));
+        let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+            _mm512_add_ps(_mm512_mul_ps(v, ps(LOG2E)), ps(0.5)),
+        );
+        let r = _mm512_sub_ps(
+            _mm512_sub_ps(v, _mm512_mul_ps(fx, ps(EXP_C1))),
+            _mm512_mul_ps(fx, ps(EXP_C2)),
+        );
+        let mut y = ps(EXP_P[0]);
+        for &p in &EXP_P[1..] {
+            y = _mm512_add_ps(_mm512_mul_ps(y, r), ps(p));
+        }
+        let y = _mm512_add_ps(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r),
+            ps(1.0),
+        );
+        let e = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvttps_epi32(fx),
+            _mm512_set1_epi32(127),
+        )));
+        _mm512_mul_ps(y, e)
+    }
+
+    /// 16 finite f32 → bf16 bits (round to nearest even, as `f32_to_bf16_bits`).
+    #[inline(always)]
+    unsafe fn round(e: __m512) -> __m256i {
+        let b = _mm512_castps_si512(e);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_add_epi32(
+            b,
+            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+        )))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub unsafe fn softmax_row<const WRITE: bool>(
+        x: *mut f32,
+        n: usize,
+        scale: f32,
+        dst: *mut u16,
+    ) -> (f32, f32) {
+        let tail = (n % 16) as u32;
+        let n16 = n - tail as usize;
+        let km: __mmask16 = (1u32 << tail).wrapping_sub(1) as u16;
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i < n16 {
+            m = _mm512_max_ps(m, _mm512_loadu_ps(x.add(i)));
+            i += 16;
+        }
+        if tail > 0 {
+            m = _mm512_max_ps(
+                m,
+                _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), km, x.add(n16)),
+            );
+        }
+        let mx = _mm512_reduce_max_ps(m) * scale;
+        let (sc, sb) = (_mm512_set1_ps(scale), _mm512_set1_ps(mx));
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n16 {
+            let e = exp(_mm512_sub_ps(
+                _mm512_mul_ps(_mm512_loadu_ps(x.add(i)), sc),
+                sb,
+            ));
+            acc = _mm512_add_ps(acc, e);
+            if WRITE {
+                _mm512_storeu_ps(x.add(i), e);
+            }
+            _mm256_storeu_si256(dst.add(i) as *mut __m256i, round(e));
+            i += 16;
+        }
+        if tail > 0 {
+            let e = exp(_mm512_sub_ps(
+                _mm512_mul_ps(_mm512_maskz_loadu_ps(km, x.add(n16)), sc),
+                sb,
+            ));
+            let e = _mm512_maskz_mov_ps(km, e);
+            acc = _mm512_add_ps(acc, e);
+            if WRITE {
+                _mm512_mask_storeu_ps(x.add(n16), km, e);
+            }
+            _mm256_mask_storeu_epi16(dst.add(n16) as *mut i16, km, round(e));
+        }
+        (mx, _mm512_reduce_add_ps(acc))
+    }
+}
+
+/// `dst[q] = pair(lo[q], hi[q])`: two rows zipped (vectorizes).
+#[inline]
+fn zip_pairs(lo: &[f32], hi: &[f32], dst: &mut [u32]) {
+    for ((w, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
+        *w = pair(l, h);
+    }
+}
+
+/// A operand: `rows` rows of `k` elements (`row(i)`, k even) as pair words, `k/2` per row,
+/// padded with zero rows to whole strips. Returns the row stride in words.
+pub fn pack_rows<'a>(
+    dst: &mut Vec<u32>,
+    rows: usize,
+    k: usize,
+    row: impl Fn(usize) -> &'a [f32],
+) -> usize {
+    let kp = k / 2;
+    dst.clear();
+    dst.resize(rows.next_multiple_of(T) * kp, 0);
+    for (i, d) in dst.chunks_exact_mut(kp).take(rows).enumerate() {
+        to_pairs(&row(i)[..k], d);
+    }
+    kp
+}
+
+/// B operand for `out[i, j] = Σ_c a[i, c] · x[j, c]` (x: `n` rows of `k` elements, as the keys of
+/// `Q·Kᵀ`), from x's rows (`row(j)`): panels of 32 rows of x, each `[k/2 pairs][32]`; rows past
+/// `n` are zeros.
+pub fn pack_panels_rows<'a>(
+    dst: &mut Vec<u32>,
+    n: usize,
+    k: usize,
+    row: impl Fn(usize) -> &'a [f32],
+) {
+    let kp = k / 2;
+    dst.clear();
+    dst.resize(n.div_ceil(T) * kp * T, 0);
+    let mut w = vec![0u32; kp];
+    for j in 0..n {
+        to_pairs(&row(j)[..k], &mut w);
+        let panel = &mut dst[(j / T) * kp * T..];
+        for (q, &x) in w.iter().enumerate() {
+            panel[q * T + j % T] = x;
+        }
+    }
+}
+
+/// B operand for `out[i, c] = Σ_j a[i, j] · x[j, c]` (x: `n` rows of `width` elements, as the
+/// values of `P·V`), from x's rows: `width/32` panels of 32 columns, each `[⌈n/32⌉·16 pairs of
+/// rows][32]`, zero past `n`. Returns the panel stride in words.
+pub fn pack_panels_cols<'a>(
+    dst: &mut Vec<u32>,
+    n: usize,
+    width: usize,
+    row: impl Fn(usize) -> &'a [f32],
+) -> usize {
+    let np = n.next_multiple_of(T) / 2;
+    dst.clear();
+    dst.resize(width.div_ceil(T) * np * T, 0);
+    let zero = vec![0f32; width];
+    for q in 0..n.div_ceil(2) {
+        let lo = &row(2 * q)[..width];
+        let hi = if 2 * q + 1 < n {
+            &row(2 * q + 1)[..width]
+        } else {
+            &zero[..]
+        };
+        for p in 0..width / T {
+            zip_pairs(
+                &lo[p * T..(p + 1) * T],
+                &hi[p * T..(p + 1) * T],
+                &mut dst[p * np * T + q * T..][..T],
+            );
+        }
+    }
+    np * T
+}
+
+/// Sets up this thread's tiles for `product`, and drops them when it ends (a thread without tile
+/// state has smaller context switches).
+pub struct Tiles(());
+
+impl Tiles {
+    #[allow(clippy::new_without_default)] // configuring tiles is not a default value
+    pub fn new() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        // Safety: `usable()` was checked by the caller (AMX present and granted to this process).
+        unsafe {
+            amx::configure()
+        };
+        Tiles(())
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // Safety: releasing the tile state is always allowed.
+        unsafe {
+            amx::release()
+        };
+    }
+}
+
+/// `C = A · B` for A's first `m` rows (`a`: strips of 32 rows, `lda` words per row) and B's first
+/// `panels` panels (`pstride` words apart), over `pairs` pairs (a multiple of 16), stored straight
+/// from the tiles into `c` (row stride `ldc`): whole 32 × 32 blocks, so `c` holds `m` rounded up
+/// to 32 rows.
+#[allow(clippy::too_many_arguments)]
+pub fn product(
+    _t: &Tiles,
+    a: &[u32],
+    lda: usize,
+    m: usize,
+    b: &[u32],
+    pstride: usize,
+    panels: usize,
+    pairs: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    let mp = m.next_multiple_of(T);
+    assert!(pairs.is_multiple_of(16) && pairs <= lda && a.len() >= mp * lda);
+    assert!(
+        panels == 0
+            || (b.len() >= (panels - 1) * pstride + pairs * T
+                && panels * T <= ldc
+                && c.len() >= (mp - 1) * ldc + panels * T)
+    );
+    #[cfg(target_arch = "x86_64")]
+    for s in (0..m).step_by(T) {
+        for p in 0..panels {
+            // Safety: the tiles are configured (`_t`); the strip's 32 rows × `pairs` words, the
+            // panel's `pairs` × 32 words and the 32 × 32 block of C are inside the slices (asserted).
+            unsafe {
+                amx::block_to(
+                    a.as_ptr().add(s * lda),
+                    lda,
+                    b.as_ptr().add(p * pstride),
+                    pairs,
+                    c.as_mut_ptr().add(s * ldc + p * T),
+                    ldc,
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("usable() is false off x86_64");
+}
+
+thread_local! {
+    /// This thread's packed K, V and block buffers, reused across calls (attention runs per layer
+    /// and sequence; fresh allocations of this size cost page faults each time).
+    static SCRATCH: RefCell<(Vec<u32>, Vec<u32>, Scratch)> = RefCell::new(Default::default());
+}
+
+/// `f(kt, v, scratch)` with this thread's reusable buffers.
+pub fn with_scratch<R>(f: impl FnOnce(&mut Vec<u32>, &mut Vec<u32>, &mut Scratch) -> R) -> R {
+    let mut s = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let r = f(&mut s.0, &mut s.1, &mut s.2);
+    SCRATCH.with(|c| *c.borrow_mut() = s);
+    r
+}
+
+/// Reused buffers of one task.
+#[derive(Default)]
+pub struct Scratch {
+    /// A operands: the block's queries, then its softmax numerators (pair words)
+    pub qa: Vec<u32>,
+    pub pa: Vec<u32>,
+    /// scores of the block's rows, `[m][keys]`
+    pub s: Vec<f32>,
+    /// the block's outputs `[m][hd]`
+    pub o: Vec<f32>,
+    /// 1 / the softmax sums of the block's rows
+    pub inv: Vec<f32>,
+}
+
+/// The forward of one query block of `m` rows against packed keys (`kt`: `pack_panels_rows` of K)
+/// and values (`v`: `pack_panels_cols` of V, panels `v_stride` apart) of one kv head. `q(i)`: row
+/// i's query (`hd` long, unscaled); `visible(i)`: the keys row i sees (≥ 1). Leaves row i's output
+/// in `sc.o[i·hd..][..hd]` and calls `lse(i, log-sum-exp of its scaled scores)`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<'a>(
+    t: &Tiles,
+    kt: &[u32],
+    v: &[u32],
+    v_stride: usize,
+    hd: usize,
+    m: usize,
+    q: impl Fn(usize) -> &'a [f32],
+    visible: impl Fn(usize) -> usize,
+    scale: f32,
+    sc: &mut Scratch,
+    mut lse: impl FnMut(usize, f32),
+) {
+    let kmax = (0..m).map(&visible).max().unwrap_or(0);
+    let kpad = kmax.next_multiple_of(T);
+    let mp = m.next_multiple_of(T);
+    let hp = pack_rows(&mut sc.qa, m, hd, q);
+    // S = Q Kᵀ
+    sc.s.resize(mp * kpad, 0.0);
+    product(t, &sc.qa, hp, m, kt, hp * T, kpad / T, hp, &mut sc.s, kpad);
+    // numerators e = exp(scale·s − max) in f32, rounded to bf16 as P·V's A operand; their f32 sum
+    // normalises the output
+    let kp = kpad / 2;
+    sc.pa.clear();
+    sc.pa.resize(mp * kp, 0);
+    sc.inv.resize(m, 0.0);
+    for i in 0..m {
+        let vis = visible(i);
+        let (mx, sum) = softmax_row::<false>(
+            &mut sc.s[i * kpad..i * kpad + vis],
+            scale,
+            &mut sc.pa[i * kp..(i + 1) * kp],
+        );
+        lse(i, mx + sum.ln());
+        sc.inv[i] = 1.0 / sum;
+    }
+    // O = E V / sum
+    sc.o.resize(mp * hd, 0.0);
+    product(t, &sc.pa, kp, m, v, v_stride, hd / T, kp, &mut sc.o, hd);
+    for (o, &inv) in sc.o.chunks_exact_mut(hd).zip(&sc.inv) {
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cpu::attention_dense::attn_dense;
+    use crate::backend::cpu::gemm_bf16::f32_to_bf16_bits;
+    use crate::backend::{AttnGeom, DenseSeq};
+    use crate::util::rng::Rng;
+
+    fn r16(x: f32) -> f64 {
+        f32::from_bits((f32_to_bf16_bits(x) as u32) << 16) as f64
+    }
+
+    /// The training forward on tiles against f64 on the bf16-rounded Q, K, V: the output within
+    /// the numerators' rounding (≤ 2⁻⁸ relative each, so ≤ 2⁻⁸·max|v|), the lse within f32
+    /// rounding; and each sequence alone gives the bits it gets in the batch. Lengths cross the
+    /// 64-row block and 32-key panel boundaries; GQA 9/3 and 4/1, heads of 64 and 32.
+    #[test]
+    fn dense_forward_matches_f64_and_is_batch_invariant() {
+        if !super::usable(64) {
+            eprintln!("no AMX here: the tile attention is not used on this CPU");
+            return;
+        }
+        for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (4, 1, 32)] {
+            let g = AttnGeom { n_layers: 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
+            let (w, qd, group) = (g.qkv_dim(), g.q_dim(), nh / nkv);
+            let lens = [70usize, 1, 33, 130, 32];
+            let mut seqs = Vec::new();
+            let mut row = 0;
+            for &len in &lens {
+                seqs.push(DenseSeq { row0: row, len });
+                row += len;
+            }
+            let mut rng = Rng::new(5);
+            let qkv: Vec<f32> = (0..row * w).map(|_| (rng.normal() * 1.5) as f32).collect();
+            let mut out = vec![f32::NAN; row * qd];
+            let mut lse = vec![f32::NAN; row * nh];
+            attn_dense(&qkv, &seqs, g, &mut out, &mut lse, true);
+            let scale = 1.0 / (hd as f64).sqrt();
+            for s in &seqs {
+                for i in 0..s.len {
+                    let r = s.row0 + i;
+                    for qh in 0..nh {
+                        let kvh = qh / group;
+                        let sc: Vec<f64> = (0..=i)
+                            .map(|j| (0..hd).map(|c| r16(qkv[r * w + qh * hd + c]) * r16(qkv[(s.row0 + j) * w + qd + kvh * hd + c])).sum::<f64>() * scale)
+                            .collect();
+                        let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                        let want_lse = m + z.ln();
+                        let got_lse = lse[r * nh + qh] as f64;
+                        assert!((got_lse - want_lse).abs() < 1e-5 * want_lse.abs().max(1.0), "lse row {r} head {qh}: {got_lse} vs {want_lse}");
+                        let mut vmax = 0f64;
+                        for c in 0..hd {
+                            let mut o = 0.0;
+                            for (j, x) in sc.iter().enumerate() {
+                                let v = r16(qkv[(s.row0 + j) * w + qd + g.kv_dim() + kvh * hd + c]);
+                                vmax = vmax.max(v.abs());
+                                o += (x - m).exp() / z * v;
+                            }
+                            let got = out[r * qd + qh * hd + c] as f64;
+                            assert!((got - o).abs() <= 2f64.powi(-8) * vmax + 1e-5, "out row {r} head {qh} col {c}: {got} vs {o}");
+                        }
+                    }
+                }
+            }
+            // each sequence alone: the same bits
+            for s in &seqs {
+                let one = &qkv[s.row0 * w..(s.row0 + s.len) * w];
+                let (mut o1, mut l1) = (vec![0f32; s.len * qd], vec![0f32; s.len * nh]);
+                attn_dense(one, &[DenseSeq { row0: 0, len: s.len }], g, &mut o1, &mut l1, true);
+                assert!(o1.iter().zip(&out[s.row0 * qd..]).all(|(a, b)| a.to_bits() == b.to_bits()), "sequence of {} alone differs", s.len);
+                assert!(l1.iter().zip(&lse[s.row0 * nh..]).all(|(a, b)| a.to_bits() == b.to_bits()), "lse of {} alone differs", s.len);
+            }
+        }
+    }
+}
