@@ -104,7 +104,7 @@ fn decode_attention(c: &mut Criterion) {
     let qkv = data(rows * GEOM.qkv_dim(), 5);
     let pages_per = len / GEOM.page_size;
     let pages: Vec<Vec<u32>> = (0..seqs_n).map(|s| ((s * pages_per) as u32..((s + 1) * pages_per) as u32).collect()).collect();
-    let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len + len - 1, n_q: 1, ctx_len: len, pages: &pages[s], sampled: false }).collect();
+    let seqs: Vec<AttnSeq> = (0..seqs_n).map(|s| AttnSeq { q_row: s * len + len - 1, n_q: 1, ctx_len: len, pages: &pages[s], sampled: true }).collect();
     let mut out = vec![0f32; rows * GEOM.q_dim()];
     let mut g = c.benchmark_group("decode attention");
     g.sample_size(20).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));

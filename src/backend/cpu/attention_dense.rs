@@ -147,7 +147,12 @@ fn attn_dense_amx(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
     });
 }
 
-pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
+/// `bf16`: as in `attn_dense` (the tiles' backward: `attention_amx::backward`).
+#[allow(clippy::too_many_arguments)]
+pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32], bf16: bool) {
+    if bf16 && amx::usable(g.head_dim) {
+        return attn_dense_bwd_amx(qkv, out, dout, lse, seqs, g, dqkv);
+    }
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
     let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
@@ -215,5 +220,72 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
             transpose(dkt.as_ptr(), n, hd, n, dkptr, width);
             transpose(dvt.as_ptr(), n, hd, n, dvptr, width);
         }
+    });
+}
+
+/// `attn_dense_bwd` on AMX tiles: per (sequence, kv head) K and V packed once, then blocks of `BQ`
+/// query rows of all the group's heads (`attention_amx::backward`); dK and dV accumulate over the
+/// blocks in f32 and are written once at the end.
+fn attn_dense_bwd_amx(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
+    let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
+    let group = nh / nkv;
+    let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let dp = SendPtr(dqkv.as_mut_ptr());
+    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
+    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    tasks.par_iter().for_each(|&(si, kvh)| {
+        let s = seqs[si];
+        let n = s.len;
+        let kcol = q_dim + kvh * hd;
+        let krow = |j: usize| &qkv[(s.row0 + j) * width + kcol..][..hd];
+        let vrow = |j: usize| &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd];
+        amx::with_bwd_scratch(|sc| {
+            let tiles = amx::Tiles::new();
+            amx::pack_panels_rows(&mut sc.kt, n, hd, krow);
+            amx::pack_panels_rows(&mut sc.vt, n, hd, vrow);
+            let ks = amx::pack_panels_cols(&mut sc.kc, n, hd, krow);
+            let ld = n.next_multiple_of(amx::T);
+            for acc in [&mut sc.dkt, &mut sc.dvt] {
+                acc.clear();
+                acc.resize(hd * ld, 0.0);
+            }
+            let mut r0 = 0;
+            while r0 < n {
+                let bq = BQ.min(n - r0);
+                // the group's query heads stacked head-major: i = h·bq + r
+                let at = |i: usize| (s.row0 + r0 + i % bq, kvh * group + i / bq);
+                let q = |i: usize| {
+                    let (row, h) = at(i);
+                    &qkv[row * width + h * hd..][..hd]
+                };
+                let d_o = |i: usize| {
+                    let (row, h) = at(i);
+                    &dout[row * q_dim + h * hd..][..hd]
+                };
+                let o = |i: usize| {
+                    let (row, h) = at(i);
+                    &out[row * q_dim + h * hd..][..hd]
+                };
+                let l = |i: usize| {
+                    let (row, h) = at(i);
+                    lse[row * nh + h]
+                };
+                let dq = |i: usize, v: &[f32]| {
+                    let (row, h) = at(i);
+                    // Safety: rows of this sequence, the query columns of this kv group's heads:
+                    // written by this task only
+                    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dp.get().add(row * width + h * hd), hd) };
+                };
+                amx::backward(&tiles, sc, ks, hd, ld, group * bq, q, d_o, o, l, |i| r0 + i % bq + 1, scale, dq);
+                r0 += bq;
+            }
+            // Safety: this sequence's rows, this kv head's K and V columns: this task's only
+            unsafe {
+                let dk = dp.get().add(s.row0 * width + kcol);
+                transpose(sc.dkt.as_ptr(), ld, hd, n, dk, width);
+                transpose(sc.dvt.as_ptr(), ld, hd, n, dk.add(kv_dim), width);
+            }
+        });
     });
 }

@@ -1019,6 +1019,10 @@ pub(crate) mod amx {
     }
 }
 
+/// `f32_to_bf16_bits` on 16 lanes (for the AMX attention's operands).
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::round16;
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{Tile, NR};
@@ -1026,7 +1030,7 @@ mod avx512 {
 
     /// 16 f32 → their bf16 bits (low halves), as `f32_to_bf16_bits`.
     #[inline(always)]
-    unsafe fn round16(b: __m512i) -> __m512i {
+    pub(crate) unsafe fn round16(b: __m512i) -> __m512i {
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
         let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))));
         let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)), _mm512_set1_epi32(0x7f80_0000));

@@ -296,7 +296,7 @@ impl TrainBackend for CpuBackend {
     }
     fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv);
+        attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == WeightDtype::Bf16);
         Ok(())
     }
     fn rmsnorm_bwd(&self, x: &CpuBuf, w: &CpuBuf, dy: &CpuBuf, eps: f32, rows: usize, d: usize, dx: &mut CpuBuf, accumulate: bool) -> Result<()> {

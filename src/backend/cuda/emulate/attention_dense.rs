@@ -600,7 +600,7 @@ mod tests {
             let out: Vec<f32> = out.iter().map(|&x| bf(x)).collect();
             let dout: Vec<f32> = (0..rows * q_dim).map(|_| rng.normal() as f32).collect();
             let mut want = vec![f32::NAN; rows * w];
-            twin::attn_dense_bwd(&qkv, &out, &dout, &lse, &seqs, g, &mut want);
+            twin::attn_dense_bwd(&qkv, &out, &dout, &lse, &seqs, g, &mut want, false);
 
             let p = plan(&seqs, &g, rows).unwrap();
             let (dout16, dsum) = prep(&out, &dout, rows, nh, hd);
