@@ -590,6 +590,19 @@ mod tests {
     use crate::backend::{AttnGeom, DenseSeq};
     use crate::util::rng::Rng;
 
+    /// Sequences of 70, 1, 33, 130 and 32 rows back to back (across the 64-row block and the
+    /// 32-key panel boundaries): the geometry, the sequences and the row count.
+    fn batch(nh: usize, nkv: usize, hd: usize) -> (AttnGeom, Vec<DenseSeq>, usize) {
+        let g = AttnGeom { n_layers: 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
+        let mut seqs = Vec::new();
+        let mut row = 0;
+        for len in [70usize, 1, 33, 130, 32] {
+            seqs.push(DenseSeq { row0: row, len });
+            row += len;
+        }
+        (g, seqs, row)
+    }
+
     fn r16(x: f32) -> f64 {
         f32::from_bits((f32_to_bf16_bits(x) as u32) << 16) as f64
     }
@@ -605,15 +618,8 @@ mod tests {
             return;
         }
         for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (4, 1, 32)] {
-            let g = AttnGeom { n_layers: 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
+            let (g, seqs, row) = batch(nh, nkv, hd);
             let (w, qd, group) = (g.qkv_dim(), g.q_dim(), nh / nkv);
-            let lens = [70usize, 1, 33, 130, 32];
-            let mut seqs = Vec::new();
-            let mut row = 0;
-            for &len in &lens {
-                seqs.push(DenseSeq { row0: row, len });
-                row += len;
-            }
             let mut rng = Rng::new(5);
             let qkv: Vec<f32> = (0..row * w).map(|_| (rng.normal() * 1.5) as f32).collect();
             let mut out = vec![f32::NAN; row * qd];
@@ -671,15 +677,8 @@ mod tests {
             return;
         }
         for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (4, 1, 32)] {
-            let g = AttnGeom { n_layers: 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
+            let (g, seqs, row) = batch(nh, nkv, hd);
             let (w, qd) = (g.qkv_dim(), g.q_dim());
-            let lens = [70usize, 1, 33, 130, 32];
-            let mut seqs = Vec::new();
-            let mut row = 0;
-            for &len in &lens {
-                seqs.push(DenseSeq { row0: row, len });
-                row += len;
-            }
             let mut rng = Rng::new(6);
             let qkv: Vec<f32> = (0..row * w).map(|_| r16((rng.normal() * 1.5) as f32) as f32).collect();
             let dout: Vec<f32> = (0..row * qd).map(|_| r16(rng.normal() as f32) as f32).collect();

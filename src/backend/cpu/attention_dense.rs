@@ -14,6 +14,13 @@ use rayon::prelude::*;
 /// Query rows per attention tile.
 const BQ: usize = 64;
 
+/// One task per (sequence, kv head), longest sequences first (the last tasks are the short ones).
+fn kv_tasks(seqs: &[DenseSeq], nkv: usize) -> Vec<(usize, usize)> {
+    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
+    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    tasks
+}
+
 simd_kernel! {
     /// `ds = p · (dp − di)` in place in `dp`.
     pub fn softmax_grad_row(p: &[f32], dp: &mut [f32], di: f32) -> () {
@@ -37,8 +44,7 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
     let lsep = SendPtr(lse.as_mut_ptr());
     // One task per (sequence, kv head), longest first. The group's query heads share K and V, so
     // their rows are stacked into one product of `group·bq` rows per block (as in prefill).
-    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
-    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    let tasks = kv_tasks(seqs, nkv);
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
         let n = s.len;
@@ -89,10 +95,7 @@ fn attn_dense_amx(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
     let scale = 1.0 / (hd as f32).sqrt();
     let outp = SendPtr(out.as_mut_ptr());
     let lsep = SendPtr(lse.as_mut_ptr());
-    let mut tasks: Vec<(usize, usize)> = (0..seqs.len())
-        .flat_map(|s| (0..nkv).map(move |h| (s, h)))
-        .collect();
-    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    let tasks = kv_tasks(seqs, nkv);
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
         let n = s.len;
@@ -160,8 +163,7 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
     let dp = SendPtr(dqkv.as_mut_ptr());
     // One task per (sequence, kv head): it owns the dk/dv columns of that head and the dq columns
     // of the group's query heads, so the GQA sum over the group needs no synchronisation.
-    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
-    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    let tasks = kv_tasks(seqs, nkv);
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
         let n = s.len;
@@ -232,8 +234,7 @@ fn attn_dense_bwd_amx(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
     let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
     let scale = 1.0 / (hd as f32).sqrt();
     let dp = SendPtr(dqkv.as_mut_ptr());
-    let mut tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..nkv).map(move |h| (s, h))).collect();
-    tasks.sort_by_key(|&(s, _)| std::cmp::Reverse(seqs[s].len));
+    let tasks = kv_tasks(seqs, nkv);
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
         let n = s.len;
