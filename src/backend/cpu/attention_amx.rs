@@ -8,11 +8,12 @@
 //! bf16 per instruction.
 //!
 //! Numerics (docs/DESIGN.md §3): the CUDA backend's tensor-core attention — Q, K, V, the softmax
-//! numerators `exp(s − max)` (and in the backward dO, dS) are rounded to bf16, every product sums in
+//! numerators `exp(s − max)` (in the backward dO, dS and P) are rounded to bf16, every product sums in
 //! f32; scores, max, sum, lse, the normalisation and the gradients' accumulators are f32. Each
 //! output element's `tdpbf16ps` sequence depends only on its own row and the key positions (keys
 //! go in 32-key steps from position 0; steps past a row's visible keys multiply zeros), so a row's
-//! result does not depend on the other rows, the query block or the batch.
+//! result does not depend on the other rows, the query block or the batch (the backward's dK and
+//! dV sum over a sequence's rows, block after block in a fixed order).
 //!
 //! Operands, as `gemm_bf16`'s AMX kernel takes them: an A operand is rows of pair words (low half
 //! the even element) padded with zero rows to strips of 32; a B operand is panels of 32 columns,
