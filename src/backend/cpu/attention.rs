@@ -329,7 +329,6 @@ impl<T: KvElem> KvPages<T> {
         let (hd, group, n, ps) = (g.head_dim, g.n_heads / g.n_kv_heads, s.ctx_len, g.page_size);
         let (width, q_dim) = (g.qkv_dim(), g.q_dim());
         let scale = 1.0 / (hd as f32).sqrt();
-        let first_pos = n - s.n_q;
         let (kb, vb) = (block(&g, layer, 0, kvh), block(&g, layer, 1, kvh));
         // Kᵀ panels: word (pair q, key j) = K[j][2q], K[j][2q+1]; V panels: word (pair q of keys,
         // column c) = V[2q][c], V[2q+1][c] (see attention_amx's operand layout)
@@ -359,37 +358,11 @@ impl<T: KvElem> KvPages<T> {
             }
         }
         let tiles = amx::Tiles::new();
-        let mut r0 = 0;
-        while r0 < s.n_q {
-            let bq = BQ.min(s.n_q - r0);
-            // the group's query heads stacked head-major: i = h·bq + r
-            let at = |i: usize| (s.q_row + r0 + i % bq, (kvh * group + i / bq) * hd);
-            let q = |i: usize| {
-                let (row, col) = at(i);
-                &qkv[row * width + col..][..hd]
-            };
-            amx::forward(
-                &tiles,
-                kt,
-                vp,
-                np * amx::T,
-                hd,
-                group * bq,
-                q,
-                |i| first_pos + r0 + i % bq + 1,
-                scale,
-                sc,
-                |_, _| {},
-            );
-            for (i, o) in sc.o.chunks_exact(hd).take(group * bq).enumerate() {
-                let (row, col) = at(i);
-                // Safety: rows of this sequence, columns of this kv group's heads: this task's only
-                unsafe {
-                    std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + col), hd)
-                };
-            }
-            r0 += bq;
-        }
+        let qs = (s.q_row, s.n_q, n - s.n_q);
+        amx::forward_rows(&tiles, kt, vp, np * amx::T, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
+            // Safety: rows of this sequence, columns of this kv group's heads: this task's only
+            unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) }
+        }, |_, _, _| {});
     }
 }
 

@@ -72,46 +72,8 @@ fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) 
 
 #[cfg(target_arch = "x86_64")]
 mod x512 {
-    use crate::backend::cpu::simd::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+    use crate::backend::cpu::simd::avx512::exp;
     use std::arch::x86_64::*;
-
-    /// `simd::exp`'s operations on 16 lanes (the same bits).
-    #[inline(always)]
-    unsafe fn exp(x: __m512) -> __m512 {
-        let ps = _mm512_set1_ps;
-        let v = _mm512_min_ps(ps(EXP_HI), _mm512_max_ps(ps(EXP_LO), x));
-        let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
-            _mm512_add_ps(_mm512_mul_ps(v, ps(LOG2E)), ps(0.5)),
-        );
-        let r = _mm512_sub_ps(
-            _mm512_sub_ps(v, _mm512_mul_ps(fx, ps(EXP_C1))),
-            _mm512_mul_ps(fx, ps(EXP_C2)),
-        );
-        let mut y = ps(EXP_P[0]);
-        for &p in &EXP_P[1..] {
-            y = _mm512_add_ps(_mm512_mul_ps(y, r), ps(p));
-        }
-        let y = _mm512_add_ps(
-            _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r),
-            ps(1.0),
-        );
-        let e = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvttps_epi32(fx),
-            _mm512_set1_epi32(127),
-        )));
-        _mm512_mul_ps(y, e)
-    }
-
-    /// 16 finite f32 → bf16 bits (round to nearest even, as `f32_to_bf16_bits`).
-    #[inline(always)]
-    unsafe fn round(e: __m512) -> __m256i {
-        let b = _mm512_castps_si512(e);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
-        _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_add_epi32(
-            b,
-            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
-        )))
-    }
 
     use crate::backend::cpu::gemm_bf16::round16;
 
@@ -179,7 +141,7 @@ mod x512 {
             if WRITE {
                 _mm512_storeu_ps(x.add(i), e);
             }
-            _mm256_storeu_si256(dst.add(i) as *mut __m256i, round(e));
+            _mm256_storeu_si256(dst.add(i) as *mut __m256i, _mm512_cvtepi32_epi16(round16(_mm512_castps_si512(e))));
             i += 16;
         }
         if tail > 0 {
@@ -192,7 +154,7 @@ mod x512 {
             if WRITE {
                 _mm512_mask_storeu_ps(x.add(n16), km, e);
             }
-            _mm256_mask_storeu_epi16(dst.add(n16) as *mut i16, km, round(e));
+            _mm256_mask_storeu_epi16(dst.add(n16) as *mut i16, km, _mm512_cvtepi32_epi16(round16(_mm512_castps_si512(e))));
         }
         (mx, _mm512_reduce_add_ps(acc))
     }
@@ -429,6 +391,46 @@ pub fn forward<'a>(
     product(t, &sc.pa, kp, m, v, v_stride, hd / T, kp, &mut sc.o, hd);
     for (o, &inv) in sc.o.chunks_exact_mut(hd).zip(&sc.inv) {
         o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// `forward` over the `n_q` query rows of one GQA group, in blocks of `bq` rows × the group's
+/// heads stacked head-major (one product per block serves every head sharing the kv head). Row r
+/// is qkv row `q_row + r` (rows `width` wide) at key position `first_pos + r`; the heads are
+/// `h0..h0 + group`. `out(row, head, o)` and `lse(row, head, value)` receive each result, `row`
+/// being the qkv row.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_rows(
+    t: &Tiles,
+    kt: &[u32],
+    v: &[u32],
+    v_stride: usize,
+    hd: usize,
+    (qkv, width): (&[f32], usize),
+    (q_row, n_q, first_pos): (usize, usize, usize),
+    (h0, group, bq): (usize, usize, usize),
+    scale: f32,
+    sc: &mut Scratch,
+    mut out: impl FnMut(usize, usize, &[f32]),
+    mut lse: impl FnMut(usize, usize, f32),
+) {
+    let mut r0 = 0;
+    while r0 < n_q {
+        let bq = bq.min(n_q - r0);
+        let at = |i: usize| (q_row + r0 + i % bq, h0 + i / bq);
+        let q = |i: usize| {
+            let (row, h) = at(i);
+            &qkv[row * width + h * hd..][..hd]
+        };
+        forward(t, kt, v, v_stride, hd, group * bq, q, |i| first_pos + r0 + i % bq + 1, scale, sc, |i, x| {
+            let (row, h) = at(i);
+            lse(row, h, x)
+        });
+        for (i, o) in sc.o.chunks_exact(hd).take(group * bq).enumerate() {
+            let (row, h) = at(i);
+            out(row, h, o);
+        }
+        r0 += bq;
     }
 }
 

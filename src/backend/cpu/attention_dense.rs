@@ -106,46 +106,10 @@ fn attn_dense_amx(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
             let vs = amx::pack_panels_cols(vp, n, hd, |j| {
                 &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd]
             });
-            let mut r0 = 0;
-            while r0 < n {
-                let bq = BQ.min(n - r0);
-                // the group's query heads stacked head-major: i = h·bq + r
-                let at = |i: usize| (s.row0 + r0 + i % bq, kvh * group + i / bq);
-                let q = |i: usize| {
-                    let (row, h) = at(i);
-                    &qkv[row * width + h * hd..][..hd]
-                };
-                let lse_at = |i: usize, v: f32| {
-                    let (row, h) = at(i);
-                    // Safety: rows of this sequence, heads of this kv group: this task's only
-                    unsafe { *lsep.get().add(row * nh + h) = v };
-                };
-                amx::forward(
-                    &tiles,
-                    kt,
-                    vp,
-                    vs,
-                    hd,
-                    group * bq,
-                    q,
-                    |i| r0 + i % bq + 1,
-                    scale,
-                    sc,
-                    lse_at,
-                );
-                for (i, o) in sc.o.chunks_exact(hd).take(group * bq).enumerate() {
-                    let (row, h) = at(i);
-                    // Safety: as above
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            o.as_ptr(),
-                            outp.get().add(row * q_dim + h * hd),
-                            hd,
-                        )
-                    };
-                }
-                r0 += bq;
-            }
+            // Safety (both writers): rows of this sequence, heads of this kv group: this task's only
+            let out_at = |row: usize, h: usize, o: &[f32]| unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) };
+            let lse_at = |row: usize, h: usize, v: f32| unsafe { *lsep.get().add(row * nh + h) = v };
+            amx::forward_rows(&tiles, kt, vp, vs, hd, (qkv, width), (s.row0, n, 0), (kvh * group, group, BQ), scale, sc, out_at, lse_at);
         });
     });
 }

@@ -214,12 +214,12 @@ mod avx {
     }
 }
 
-pub(crate) const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
-pub(crate) const EXP_HI: f32 = 88.0;
-pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
-pub(crate) const EXP_C1: f32 = 0.693_359_4;
-pub(crate) const EXP_C2: f32 = -2.121_944_4e-4;
-pub(crate) const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
+const EXP_HI: f32 = 88.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const EXP_C1: f32 = 0.693_359_4;
+const EXP_C2: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
 
 /// exp of one lane (Cephes expf: range reduction by ln 2, degree-5 polynomial, exponent bits).
 /// The 8-lane AVX2 path below performs exactly these operations in this order (no fused
@@ -236,6 +236,38 @@ fn exp_lane(x: f32) -> f32 {
     let y = y * r * r + r + 1.0;
     let e = f32::from_bits((((fx as i32) + 127) as u32) << 23);
     y * e
+}
+
+/// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the AMX attention's
+/// softmax pass, `attention_amx`). Callers must have AVX-512F (checked at run time there).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    pub unsafe fn exp(x: __m512) -> __m512 {
+        use super::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+        let ps = _mm512_set1_ps;
+        let v = _mm512_min_ps(ps(EXP_HI), _mm512_max_ps(ps(EXP_LO), x));
+        let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_add_ps(_mm512_mul_ps(v, ps(LOG2E)), ps(0.5)));
+        let r = _mm512_sub_ps(_mm512_sub_ps(v, _mm512_mul_ps(fx, ps(EXP_C1))), _mm512_mul_ps(fx, ps(EXP_C2)));
+        let mut y = ps(EXP_P[0]);
+        for &p in &EXP_P[1..] {
+            y = _mm512_add_ps(_mm512_mul_ps(y, r), ps(p));
+        }
+        let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r), ps(1.0));
+        let e = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127))));
+        _mm512_mul_ps(y, e)
+    }
+
+    /// `exp` on 16 lanes of an array (for the test).
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp16(x: [f32; 16]) -> [f32; 16] {
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), exp(_mm512_loadu_ps(x.as_ptr())));
+        out
+    }
 }
 
 /// exp of 8 lanes. Written with intrinsics because the compiler turns the scalar formula's
@@ -424,6 +456,20 @@ mod tests {
             x += 0.0173;
         }
         assert!(exp8([f32::NAN; 8])[3].is_nan() && exp(f32::NAN).is_nan());
+        // and so does the 16-lane AVX-512 path
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512f() {
+            let mut x = -100.0f32;
+            while x < 100.0 {
+                let lanes: [f32; 16] = std::array::from_fn(|l| x * (1.0 - l as f32 * 0.07) + l as f32 * 1e-3);
+                // Safety: AVX-512F checked above
+                let v = unsafe { avx512::exp16(lanes) };
+                for l in 0..16 {
+                    assert_eq!(v[l].to_bits(), exp_lane(lanes[l]).to_bits(), "exp16({})", lanes[l]);
+                }
+                x += 0.0173;
+            }
+        }
         assert_eq!(exp8([f32::NEG_INFINITY; 8])[0], exp(f32::NEG_INFINITY));
         let mut v: Vec<f32> = (0..21).map(|i| i as f32 * 0.3 - 2.0).collect();
         let want: f32 = v.iter().map(|x| (x - 1.0).exp()).sum();
