@@ -1,6 +1,6 @@
 //! Kernel micro-benchmarks on SmolLM2-135M's shapes (2 threads here): our AVX-512 GEMM against
 //! the `gemm` crate, prefill and decode attention (f32 and bf16 KV cache), and the training
-//! attention forward/backward; the bf16
+//! attention forward/backward; the LoRA products; the bf16
 //! weight kernels (`gemm_bf16`) against f32, and the machine's limits they are measured against
 //! (streaming read bandwidth, `vdpbf16ps` and f32 FMA peaks).
 //!
@@ -177,6 +177,26 @@ fn decode_bf16(c: &mut Criterion) {
     g.finish();
 }
 
+/// The LoRA delta and gradients (rank 16, 8 × 512 rows) on the q, gate (a column slice of the
+/// fused gate_up output) and down shapes; throughput in FLOP (2 products forward, 5 backward).
+fn lora_products(c: &mut Criterion) {
+    use infomem_engine::backend::cpu::lora;
+    let mut g = c.benchmark_group("lora");
+    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    let (m, r) = (4096usize, 16usize);
+    // (name, k, n_out, ld of the output / its gradient)
+    for &(name, k, n, ld) in &[("q", 576usize, 576usize, 960usize), ("gate", 576, 1536, 3072), ("down", 1536, 576, 576)] {
+        let (x, a, b) = (data(m * k, 1), data(r * k, 2), data(n * r, 3));
+        let mut out = data(m * ld, 4);
+        let (mut da, mut db, mut dx) = (vec![0f32; r * k], vec![0f32; n * r], vec![0f32; m * k]);
+        g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
+        g.bench_function(format!("forward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
+        g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
+        g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx))));
+    }
+    g.finish();
+}
+
 /// What the kernels are measured against: DRAM streaming read bandwidth (1 GiB, one thread and
 /// all), and the register-resident `vdpbf16ps` and f32 FMA peaks on every thread.
 fn machine(c: &mut Criterion) {
@@ -236,5 +256,5 @@ mod peak {
     }
 }
 
-criterion_group!(benches, gemms, decode_matmul, prefill_attention, decode_attention, gemm_bf16, decode_bf16, machine);
+criterion_group!(benches, gemms, decode_matmul, prefill_attention, decode_attention, gemm_bf16, decode_bf16, lora_products, machine);
 criterion_main!(benches);

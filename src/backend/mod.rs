@@ -13,7 +13,7 @@
 //! | memory | embed, gather_rows, scale_rows, scatter_add_rows, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
 //! | attention | paged causal GQA attention (prefill, scoring, decode); the KV cache (kv_new, kv_store, kv_copy_page) | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
 //! | attention_dense | training attention forward (+ lse) and backward | cpu/attention_dense.rs | cuda/attention_dense.rs | kernels/attention_dense.cu |
-//! | matmul | matmul, lora, matmul_dx, lora_bwd, lora_merge | cpu/matmul.rs (+ gemm512.rs) | cuda/gemm.rs (cuBLASLt) | — |
+//! | matmul | matmul, lora, matmul_dx, lora_bwd, lora_merge | cpu/matmul.rs (+ gemm512.rs, lora.rs) | cuda/gemm.rs (cuBLASLt) | — |
 //! | logprob | logprobs, head_grad (vocabulary tiles, online softmax) | cpu/logprob.rs | cuda/logprob.rs | kernels/logprob.cu |
 //! | sample | sample | cpu/sample.rs | cuda/sample.rs | kernels/sample.cu |
 //! | optim | sum_squares, scale, accumulate, adamw | cpu/optim.rs | cuda/optim.rs | kernels/optim.cu |

@@ -1,6 +1,6 @@
 //! The projections on the CPU (twin of the cuBLASLt calls in src/backend/cuda/gemm.rs): `y = x Wᵀ`,
-//! the LoRA delta `y += s·(x Aᵀ) Bᵀ`, and their backward (`dx = dy W`, dA/dB/dx of the LoRA pair,
-//! the merge `W + s·B A` the training passes use).
+//! its backward `dx = dy W`, and the merge `W + s·B A` the training passes use (the LoRA delta and
+//! its gradients, thin products, are `lora.rs`).
 //!
 //! Large `m` (prefill, scoring, training) goes to `gemm512` (our AVX-512 packed GEMM, ~90% of the
 //! FMA peak here) or, without AVX-512 or for outputs narrower than one 32-column panel, to the
@@ -243,19 +243,6 @@ mod avx2 {
     }
 }
 
-/// LoRA delta into a column slice of `out` (`Backend::lora`): `out[:, col0..col0+n_out] +=
-/// scale · (x Aᵀ) Bᵀ`, rows of `ld`; `B·A` is never formed.
-#[allow(clippy::too_many_arguments)]
-pub fn lora(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
-    let mut xa = vec![0f32; m * r];
-    matmul(x, a, None, m, k, r, &mut xa);
-    // out[:, col0..] += scale · xa · Bᵀ, accumulated in place
-    // Safety: the caller's buffers cover m rows of ld (out), m×r (xa) and n_out×r (b).
-    unsafe {
-        gemm_raw(m, n_out, r, out.as_mut_ptr().add(col0), ld as isize, 1, true, xa.as_ptr(), r as isize, 1, b.as_ptr(), 1, r as isize, scale, true);
-    }
-}
-
 /// `w[row0 + o, :] += scale · (B A)[o, :]`.
 #[allow(clippy::too_many_arguments)]
 pub fn lora_merge(w: &mut [f32], row0: usize, a: &[f32], b: &[f32], scale: f32, k: usize, r: usize, n_out: usize) {
@@ -271,68 +258,6 @@ pub fn matmul_dx(dy: &[f32], w: &[f32], m: usize, n: usize, k: usize, dx: &mut [
     // Safety: sizes checked above; dx does not alias dy or w (distinct borrows).
     unsafe {
         gemm_raw(m, k, n, dx.as_mut_ptr(), k as isize, 1, accumulate, dy.as_ptr(), n as isize, 1, w.as_ptr(), k as isize, 1, 1.0, true);
-    }
-}
-
-/// Rows per task of the LoRA backward (each task reduces its own partial dA, dB).
-const LORA_ROWS: usize = 512;
-
-#[allow(clippy::too_many_arguments)]
-pub fn lora_bwd(
-    x: &[f32],
-    a: &[f32],
-    b: &[f32],
-    scale: f32,
-    m: usize,
-    k: usize,
-    r: usize,
-    n_out: usize,
-    dy: &[f32],
-    col0: usize,
-    ld: usize,
-    da: &mut [f32],
-    db: &mut [f32],
-    dx: Option<&mut [f32]>,
-) {
-    assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && dy.len() >= m * ld);
-    if m == 0 {
-        return;
-    }
-    // The rank-r GEMMs are thin: split the rows across tasks, each with serial GEMMs and its own
-    // partial dA/dB, then add the partials.
-    let per = m.div_ceil(rayon::current_num_threads().max(1)).clamp(1, LORA_ROWS);
-    let dxp = dx.map(|v| SendPtr(v.as_mut_ptr()));
-    let partials: Vec<(Vec<f32>, Vec<f32>)> = (0..m.div_ceil(per))
-        .into_par_iter()
-        .map(|c| {
-            let (i0, mc) = (c * per, per.min(m - c * per));
-            let mut pa = vec![0f32; r * k];
-            let mut pb = vec![0f32; n_out * r];
-            let mut u = vec![0f32; mc * r];
-            let mut du = vec![0f32; mc * r];
-            // Safety: row ranges are disjoint across tasks; every extent is inside the checked buffers.
-            unsafe {
-                let xs = x.as_ptr().add(i0 * k);
-                let dys = dy.as_ptr().add(i0 * ld + col0);
-                // u = x Aᵀ [mc, r] (recomputed: cheaper than keeping it)
-                gemm_raw(mc, r, k, u.as_mut_ptr(), r as isize, 1, false, xs, k as isize, 1, a.as_ptr(), 1, k as isize, 1.0, false);
-                // dB [n_out, r] += scale · dy_sᵀ u
-                gemm_raw(n_out, r, mc, pb.as_mut_ptr(), r as isize, 1, false, dys, 1, ld as isize, u.as_ptr(), r as isize, 1, scale, false);
-                // du [mc, r] = scale · dy_s B
-                gemm_raw(mc, r, n_out, du.as_mut_ptr(), r as isize, 1, false, dys, ld as isize, 1, b.as_ptr(), r as isize, 1, scale, false);
-                // dA [r, k] += duᵀ x
-                gemm_raw(r, k, mc, pa.as_mut_ptr(), k as isize, 1, false, du.as_ptr(), 1, r as isize, xs, k as isize, 1, 1.0, false);
-                // dx [mc, k] += du A
-                if let Some(dxp) = dxp {
-                    gemm_raw(mc, k, r, dxp.get().add(i0 * k), k as isize, 1, true, du.as_ptr(), r as isize, 1, a.as_ptr(), k as isize, 1, 1.0, false);
-                }
-            }
-            (pa, pb)
-        })
-        .collect();
-    for (pa, pb) in partials {
-        super::norm::add(da, &pa);
-        super::norm::add(db, &pb);
     }
 }
 

@@ -10,6 +10,7 @@ pub mod buf;
 pub mod gemm512;
 pub mod gemm_bf16;
 pub mod logprob;
+pub mod lora;
 pub mod matmul;
 pub mod memory;
 pub mod norm;
@@ -211,7 +212,7 @@ impl Backend for CpuBackend {
     }
     fn lora(&self, x: &CpuBuf, a: &CpuBuf, b: &CpuBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut CpuBuf, col0: usize, ld: usize) -> Result<()> {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
-        matmul::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld);
+        lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld);
         Ok(())
     }
     fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
@@ -346,7 +347,7 @@ impl TrainBackend for CpuBackend {
     ) -> Result<()> {
         ensure!(col0 + n_out <= ld && dy.len() >= m * ld, "lora_bwd: column slice {col0}+{n_out} outside rows of {ld}");
         ensure!(da.len() == r * k && db.len() == n_out * r, "lora_bwd: gradient buffers do not match A [{r}, {k}], B [{n_out}, {r}]");
-        matmul::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()));
+        lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()));
         Ok(())
     }
     fn head_grad(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize, g: &mut CpuBuf) -> Result<HeadOut> {

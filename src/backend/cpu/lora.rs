@@ -1,0 +1,384 @@
+//! LoRA on the CPU (twin of `lora` and `lora_bwd` in src/backend/cuda/gemm.rs): the delta
+//! `y[:, col0..col0+n] += s·(x Aᵀ) Bᵀ` and its backward, with `u = x Aᵀ` recomputed:
+//! `dB += s·dyᵀ u`, `du = s·dy B`, `dA += duᵀ x`, `dx += du A`.
+//!
+//! Every one of these products has a thin side, the rank r (8–64). A packed GEMM spends more on
+//! packing than on such a product, and five separate passes over `x` `[m, k]` and `dy` `[m, n]`
+//! made the backward memory-bound (~50 GFLOP/s, a quarter of a bf16 training step). Here the rows
+//! go in blocks of `BLOCK`: a block does all of its products while its rows of x and dy are in
+//! L2, each on one unpacked AVX-512 kernel, `C (+)= α·A·B` with B's rows contiguous and A read by
+//! broadcasts at any strides (`product`); A and B are transposed once per call so that every
+//! product has that form. The sums of dA and dB are taken per fixed `CHUNK` of rows and the
+//! partials added in order, and each row's output comes from the same kernel whatever the row
+//! count, so the results depend neither on the thread count nor on how rows were batched.
+use super::matmul::SendPtr;
+use rayon::prelude::*;
+
+/// Rows per block: x and dy rows of a block (≤ 64 × 1536 f32 each) stay in L2.
+const BLOCK: usize = 64;
+/// Rows per partial dA/dB (a rayon task); fixed, so the sums do not depend on the thread count.
+const CHUNK: usize = 256;
+
+/// `t[c, r] = m[r, c]` for a row-major `[rows, cols]` matrix.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+/// `out[:, col0..col0+n_out] += scale · (x Aᵀ) Bᵀ` (`Backend::lora`), rows of `ld`.
+#[allow(clippy::too_many_arguments)]
+pub fn lora(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
+    assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
+    if m == 0 || r == 0 || n_out == 0 {
+        return;
+    }
+    let (at, bt) = (transpose(&a[..r * k], r, k), transpose(&b[..n_out * r], n_out, r));
+    let outp = SendPtr(out.as_mut_ptr());
+    let run = |i0: usize, rows: usize| {
+        let mut u = vec![0f32; BLOCK.min(rows) * r];
+        for b0 in (i0..i0 + rows).step_by(BLOCK) {
+            let mb = BLOCK.min(i0 + rows - b0);
+            // Safety: rows b0..b0+mb are this task's; extents checked above.
+            unsafe {
+                // u [mb, r] = x_blk Aᵀ; out_blk += scale · u Bᵀ
+                product(mb, r, k, x.as_ptr().add(b0 * k), k, 1, at.as_ptr(), r, u.as_mut_ptr(), r, 1.0, false);
+                product(mb, n_out, r, u.as_ptr(), r, 1, bt.as_ptr(), n_out, outp.get().add(b0 * ld + col0), ld, scale, true);
+            }
+        }
+    };
+    if m <= CHUNK {
+        run(0, m);
+    } else {
+        (0..m.div_ceil(CHUNK)).into_par_iter().for_each(|c| run(c * CHUNK, CHUNK.min(m - c * CHUNK)));
+    }
+}
+
+/// The LoRA pair's gradients (`TrainBackend::lora_bwd`): `dA += duᵀ x`, `dB += scale·dy_sᵀ u`
+/// with `u = x Aᵀ`, `du = scale·dy_s B`, and `dx += du A` when `dx` is given (the pair is not
+/// merged into the weight its input gradient went through). `dy_s` = columns `col0..col0+n_out`
+/// of `dy`, rows of `ld`.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_bwd(
+    x: &[f32],
+    a: &[f32],
+    b: &[f32],
+    scale: f32,
+    m: usize,
+    k: usize,
+    r: usize,
+    n_out: usize,
+    dy: &[f32],
+    col0: usize,
+    ld: usize,
+    da: &mut [f32],
+    db: &mut [f32],
+    dx: Option<&mut [f32]>,
+) {
+    assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && dy.len() >= m * ld && da.len() >= r * k && db.len() >= n_out * r);
+    if m == 0 || r == 0 {
+        return;
+    }
+    if let Some(dx) = &dx {
+        assert!(dx.len() >= m * k, "lora_bwd: dx too small");
+    }
+    let at = transpose(&a[..r * k], r, k);
+    let dxp = dx.map(|v| SendPtr(v.as_mut_ptr()));
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = (0..m.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
+            let mut pa = vec![0f32; r * k];
+            let mut pb = vec![0f32; n_out * r];
+            let mut u = vec![0f32; BLOCK.min(rows) * r];
+            let mut du = vec![0f32; BLOCK.min(rows) * r];
+            for b0 in (i0..i0 + rows).step_by(BLOCK) {
+                let mb = BLOCK.min(i0 + rows - b0);
+                // Safety: rows b0..b0+mb are this task's (dx); every extent is inside the checked buffers.
+                unsafe {
+                    let xs = x.as_ptr().add(b0 * k);
+                    let dys = dy.as_ptr().add(b0 * ld + col0);
+                    // u [mb, r] = x_blk Aᵀ
+                    product(mb, r, k, xs, k, 1, at.as_ptr(), r, u.as_mut_ptr(), r, 1.0, false);
+                    // du [mb, r] = scale · dy_blk B
+                    product(mb, r, n_out, dys, ld, 1, b.as_ptr(), r, du.as_mut_ptr(), r, scale, false);
+                    // dB [n_out, r] += scale · dy_blkᵀ u: A = dyᵀ (element (o, i) at o + i·ld)
+                    product(n_out, r, mb, dys, 1, ld, u.as_ptr(), r, pb.as_mut_ptr(), r, scale, true);
+                    // dA [r, k] += duᵀ x_blk
+                    product(r, k, mb, du.as_ptr(), 1, r, xs, k, pa.as_mut_ptr(), k, 1.0, true);
+                    // dx_blk [mb, k] += du A
+                    if let Some(dxp) = dxp {
+                        product(mb, k, r, du.as_ptr(), r, 1, a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
+                    }
+                }
+            }
+            (pa, pb)
+        })
+        .collect();
+    for (pa, pb) in partials {
+        super::norm::add(&mut da[..r * k], &pa);
+        super::norm::add(&mut db[..n_out * r], &pb);
+    }
+}
+
+/// `C[m, n] (+)= alpha · A[m, kk] · B[kk, n]`, serial: A's element (i, l) at `a[i·a_rs + l·a_cs]`,
+/// B's row l at `b[l·ldb..]` (contiguous), C's row i at `c[i·ldc..]`. Each C element is one
+/// FMA chain over l in order, whatever m and n.
+///
+/// # Safety
+/// The pointers must cover those extents; `c` must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(m: usize, n: usize, kk: usize, a: *const f32, a_rs: usize, a_cs: usize, b: *const f32, ldb: usize, c: *mut f32, ldc: usize, alpha: f32, accumulate: bool) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx512f() {
+        return avx512::product(m, n, avx512::Prod { kk, a, a_rs, a_cs, b, ldb, c, ldc, alpha, accumulate });
+    }
+    portable(m, n, kk, a, a_rs, a_cs, b, ldb, c, ldc, alpha, accumulate)
+}
+
+/// `product` without AVX-512: the same sums in the same order, so the same bits (one FMA chain
+/// per element in l order; the compiler vectorizes the loop over a row's columns).
+///
+/// # Safety
+/// As `product`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn portable(m: usize, n: usize, kk: usize, a: *const f32, a_rs: usize, a_cs: usize, b: *const f32, ldb: usize, c: *mut f32, ldc: usize, alpha: f32, accumulate: bool) {
+    let mut acc = vec![0f32; n];
+    for i in 0..m {
+        acc.fill(0.0);
+        for l in 0..kk {
+            let ail = *a.add(i * a_rs + l * a_cs);
+            let bl = std::slice::from_raw_parts(b.add(l * ldb), n);
+            for (s, &bv) in acc.iter_mut().zip(bl) {
+                *s = ail.mul_add(bv, *s);
+            }
+        }
+        let ci = std::slice::from_raw_parts_mut(c.add(i * ldc), n);
+        for (o, &s) in ci.iter_mut().zip(&acc) {
+            *o = if accumulate { *o + alpha * s } else { alpha * s };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// One product's operands (see `super::product`).
+    #[derive(Clone, Copy)]
+    pub struct Prod {
+        pub kk: usize,
+        pub a: *const f32,
+        pub a_rs: usize,
+        pub a_cs: usize,
+        pub b: *const f32,
+        pub ldb: usize,
+        pub c: *mut f32,
+        pub ldc: usize,
+        pub alpha: f32,
+        pub accumulate: bool,
+    }
+
+    /// Column strips of up to 4 vectors (64 columns); in each, tiles of as many rows as keep
+    /// the accumulators in registers (12 × 1, 8 × 2, 8 × 3, 6 × 4 vectors).
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn product(m: usize, n: usize, p: Prod) {
+        assert!(p.a_cs == 1 || p.a_rs == 1, "lora product: A must be row- or column-major");
+        let cm = p.a_rs == 1 && p.a_cs != 1;
+        let mut j0 = 0;
+        while j0 < n {
+            let w = (n - j0).min(64);
+            let v = w.div_ceil(16);
+            let last: __mmask16 = if w.is_multiple_of(16) { 0xffff } else { ((1u32 << (w % 16)) - 1) as u16 };
+            let rmax = [12, 8, 8, 6][v - 1];
+            let mut i0 = 0;
+            while i0 < m {
+                let rows = (m - i0).min(rmax);
+                let q = Prod { a: p.a.add(i0 * p.a_rs), b: p.b.add(j0), c: p.c.add(i0 * p.ldc + j0), ..p };
+                macro_rules! rows {
+                    ($v:literal: $($r:literal)*) => {
+                        match (rows, cm) {
+                            $(($r, true) => tile::<$r, $v, true>(q, last),)*
+                            $(($r, false) => tile::<$r, $v, false>(q, last),)*
+                            _ => unreachable!("tile rows {rows}"),
+                        }
+                    };
+                }
+                match v {
+                    1 => rows!(1: 1 2 3 4 5 6 7 8 9 10 11 12),
+                    2 => rows!(2: 1 2 3 4 5 6 7 8),
+                    3 => rows!(3: 1 2 3 4 5 6 7 8),
+                    _ => rows!(4: 1 2 3 4 5 6),
+                }
+                i0 += rows;
+            }
+            j0 += w;
+        }
+    }
+
+    /// `C[R, V vectors] (+)= alpha · Σ_l A[i, l] · B[l, ·]`; the last vector masked by `last`.
+    /// `CM`: A is column-major (`a_rs == 1`), its R elements of step l side by side; else A is
+    /// row-major (`a_cs == 1`) and l goes 4 at a time, so the R row addresses (a chain of adds
+    /// through the stride, as the compiler forms them) are paid once per 4 steps — with one
+    /// vector per row that chain, not the FMAs, set the pace. Either way each accumulator
+    /// takes its FMAs in l order.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)] // registers indexed by (row, vector), as in gemm512
+    unsafe fn tile<const R: usize, const V: usize, const CM: bool>(p: Prod, last: __mmask16) {
+        let mut mask = [0xffffu16; V];
+        mask[V - 1] = last;
+        let mut s = [[_mm512_setzero_ps(); V]; R];
+        macro_rules! step {
+            ($l:expr, $ai:expr) => {{
+                let bl = p.b.add($l * p.ldb);
+                let mut bv = [_mm512_setzero_ps(); V];
+                for v in 0..V {
+                    bv[v] = _mm512_maskz_loadu_ps(mask[v], bl.add(16 * v));
+                }
+                for i in 0..R {
+                    let ai = _mm512_set1_ps($ai(i));
+                    for v in 0..V {
+                        s[i][v] = _mm512_fmadd_ps(ai, bv[v], s[i][v]);
+                    }
+                }
+            }};
+        }
+        if CM {
+            for l in 0..p.kk {
+                let al = p.a.add(l * p.a_cs);
+                step!(l, |i: usize| *al.add(i));
+            }
+        } else {
+            let mut l = 0;
+            while l + 4 <= p.kk {
+                for u in 0..4 {
+                    step!(l + u, |i: usize| *p.a.add(i * p.a_rs + l + u));
+                }
+                l += 4;
+            }
+            for l in l..p.kk {
+                step!(l, |i: usize| *p.a.add(i * p.a_rs + l));
+            }
+        }
+        let alpha = _mm512_set1_ps(p.alpha);
+        for i in 0..R {
+            let ci = p.c.add(i * p.ldc);
+            for v in 0..V {
+                let mut y = _mm512_mul_ps(alpha, s[i][v]);
+                if p.accumulate {
+                    y = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], ci.add(16 * v)), y);
+                }
+                _mm512_mask_storeu_ps(ci.add(16 * v), mask[v], y);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::rng::Rng;
+
+    fn rand(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.normal() as f32).collect()
+    }
+
+    /// The forward and backward in f64 from the definitions: (y slice, dA, dB, dx).
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn reference(x: &[f32], a: &[f32], b: &[f32], s: f64, m: usize, k: usize, r: usize, n: usize, dy: &[f32], col0: usize, ld: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let u: Vec<f64> = (0..m * r).map(|e| (0..k).map(|t| x[e / r * k + t] as f64 * a[e % r * k + t] as f64).sum()).collect();
+        let du: Vec<f64> = (0..m * r).map(|e| s * (0..n).map(|o| dy[e / r * ld + col0 + o] as f64 * b[o * r + e % r] as f64).sum::<f64>()).collect();
+        let y: Vec<f64> = (0..m * n).map(|e| s * (0..r).map(|j| u[e / n * r + j] * b[e % n * r + j] as f64).sum::<f64>()).collect();
+        let da: Vec<f64> = (0..r * k).map(|e| (0..m).map(|i| du[i * r + e / k] * x[i * k + e % k] as f64).sum()).collect();
+        let db: Vec<f64> = (0..n * r).map(|e| s * (0..m).map(|i| dy[i * ld + col0 + e / r] as f64 * u[i * r + e % r]).sum::<f64>()).collect();
+        let dx: Vec<f64> = (0..m * k).map(|e| (0..r).map(|j| du[e / k * r + j] * a[j * k + e % k] as f64).sum()).collect();
+        (y, da, db, dx)
+    }
+
+    fn rel(got: &[f32], want: &[f64]) -> f64 {
+        let num: f64 = got.iter().zip(want).map(|(g, w)| (*g as f64 - w).powi(2)).sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        (num / den.max(1e-300)).sqrt()
+    }
+
+    /// Forward and backward against f64 over shapes that cross the block and chunk edges, ranks
+    /// that are not a multiple of 16 and a column slice of a wider output; accumulation into
+    /// what the buffers held.
+    #[test]
+    fn forward_and_backward_match_f64() {
+        let mut rng = Rng::new(21);
+        for &(m, k, r, n, col0, ld) in &[(1, 12, 3, 7, 6, 20), (21, 12, 3, 7, 6, 20), (64, 100, 16, 70, 0, 70), (65, 576, 16, 192, 576, 960), (300, 64, 17, 130, 5, 140), (530, 96, 48, 64, 32, 96)] {
+            let s = 1.7f32;
+            let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * ld));
+            let (y, da, db, dx) = reference(&x, &a, &b, s as f64, m, k, r, n, &dy, col0, ld);
+            let prior = rand(&mut rng, m * ld);
+            let mut out = prior.clone();
+            lora(&x, &a, &b, s, m, k, r, n, &mut out, col0, ld);
+            let got: Vec<f32> = (0..m * n).map(|e| out[e / n * ld + col0 + e % n] - prior[e / n * ld + col0 + e % n]).collect();
+            let untouched = (0..m * ld).filter(|e| !(col0..col0 + n).contains(&(e % ld))).all(|e| out[e] == prior[e]);
+            assert!(untouched, "lora wrote outside its column slice at {m}x{k} r{r}");
+            let (pa, pb, px) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * k));
+            let (mut ga, mut gb, mut gx) = (pa.clone(), pb.clone(), px.clone());
+            lora_bwd(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx));
+            let minus = |g: &[f32], p: &[f32]| g.iter().zip(p).map(|(g, p)| g - p).collect::<Vec<f32>>();
+            for (name, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
+                let e = rel(&g, &want);
+                // f32 sums of ≤ 576 terms: ~1e-7 per term in norm; 1e-5 leaves room, a wrong
+                // index or a dropped block is O(1)
+                assert!(e < 1e-5, "{name} at m {m} k {k} r {r} n {n}: relative error {e:.2e}");
+            }
+        }
+    }
+
+    /// The AVX-512 kernel and the portable loop give the same bits (on a CPU without AVX-512
+    /// both calls take the portable loop), for row- and column-major A, every tile shape and
+    /// accumulation.
+    #[test]
+    fn kernel_and_portable_agree_bit_for_bit() {
+        let mut rng = Rng::new(8);
+        for &(m, n, kk) in &[(1, 1, 1), (13, 16, 577), (25, 48, 7), (7, 70, 64), (30, 200, 19), (12, 33, 5)] {
+            for &(col_major, accumulate) in &[(false, false), (true, true), (false, true)] {
+                let (a, b, c0) = (rand(&mut rng, m * kk), rand(&mut rng, kk * n), rand(&mut rng, m * n));
+                let (rs, cs) = if col_major { (1, m) } else { (kk, 1) };
+                let (mut c1, mut c2) = (c0.clone(), c0.clone());
+                unsafe {
+                    product(m, n, kk, a.as_ptr(), rs, cs, b.as_ptr(), n, c1.as_mut_ptr(), n, 0.7, accumulate);
+                    portable(m, n, kk, a.as_ptr(), rs, cs, b.as_ptr(), n, c2.as_mut_ptr(), n, 0.7, accumulate);
+                }
+                assert!(c1 == c2, "kernel and portable loop differ at {m}x{n}x{kk} (column-major A: {col_major})");
+            }
+        }
+    }
+
+    /// A row's output bits do not depend on the rows beside it nor on the thread count; dA and
+    /// dB do not depend on the thread count.
+    #[test]
+    fn rows_are_batch_and_thread_invariant() {
+        let mut rng = Rng::new(5);
+        let (m, k, r, n) = (600, 64, 16, 96);
+        let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * n));
+        let mut all = vec![0f32; m * n];
+        lora(&x, &a, &b, 0.5, m, k, r, n, &mut all, 0, n);
+        for &(i0, rows) in &[(0, 1), (7, 5), (13, 16), (250, 17), (599, 1)] {
+            let mut part = vec![0f32; rows * n];
+            lora(&x[i0 * k..(i0 + rows) * k], &a, &b, 0.5, rows, k, r, n, &mut part, 0, n);
+            assert!(part == all[i0 * n..(i0 + rows) * n], "rows {i0}..+{rows} differ when run alone");
+        }
+        let grads = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let (mut da, mut db, mut dx) = (vec![0f32; r * k], vec![0f32; n * r], vec![0f32; m * k]);
+                lora_bwd(&x, &a, &b, 0.5, m, k, r, n, &dy, 0, n, &mut da, &mut db, Some(&mut dx));
+                (da, db, dx)
+            })
+        };
+        assert!(grads(1) == grads(3), "LoRA gradients depend on the thread count");
+    }
+}
