@@ -640,13 +640,27 @@ impl Job<'_> {
             for pn in p0..p1 {
                 let j0 = pn * NR;
                 let (ai, bp) = (a.add((i - r0) * self.pairs + q0), panels.add((pn - p0) * kb * NR));
+                let cols = (self.cols - j0).min(NR);
+                if overwrite && rows == AMX_MR && cols == NR {
+                    // a whole block written, not added to: store the tiles in place (the same
+                    // bits as through `acc`, without the copy)
+                    let c = self.c.get().add(i * self.cols + j0);
+                    amx::block_to(ai, self.pairs, bp, kb, c, self.cols);
+                    if !bias.is_null() {
+                        let bs = std::slice::from_raw_parts(bias.add(j0), NR);
+                        for r in 0..rows {
+                            let c = std::slice::from_raw_parts_mut(c.add(r * self.cols), NR);
+                            c.iter_mut().zip(bs).for_each(|(c, &b)| *c += b);
+                        }
+                    }
+                    continue;
+                }
                 if rows <= 16 {
                     // decode: one A tile; the same tdpbf16ps sequence per element (same bits)
                     amx::block16(ai, self.pairs, bp, kb, &mut acc);
                 } else {
                     amx::block(ai, self.pairs, bp, kb, &mut acc);
                 }
-                let cols = (self.cols - j0).min(NR);
                 for r in 0..rows {
                     let c = std::slice::from_raw_parts_mut(self.c.get().add((i + r) * self.cols + j0), cols);
                     let s = &acc.0[r * NR..r * NR + cols];
