@@ -8,7 +8,7 @@
 //! go in blocks of `BLOCK`: a block does all of its products while its rows of x and dy are in
 //! L2, each on one unpacked AVX-512 kernel, `C (+)= α·A·B` with B's rows contiguous and A read by
 //! broadcasts at any strides (`product`); A and B are transposed once per call so that every
-//! product has that form. The sums of dA and dB are taken per fixed `CHUNK` of rows and the
+//! product has that form (for a decode step's few rows, x is transposed instead: `lora_few`). The sums of dA and dB are taken per fixed `CHUNK` of rows and the
 //! partials added in order, and each row's output comes from the same kernel whatever the row
 //! count, so the results depend neither on the thread count nor on how rows were batched.
 use super::matmul::SendPtr;
@@ -37,6 +37,9 @@ pub fn lora(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: 
     if m == 0 || r == 0 || n_out == 0 {
         return;
     }
+    if m <= FEW_ROWS {
+        return lora_few(x, a, b, scale, m, k, r, n_out, out, col0, ld);
+    }
     let (at, bt) = (transpose(&a[..r * k], r, k), transpose(&b[..n_out * r], n_out, r));
     let outp = SendPtr(out.as_mut_ptr());
     let run = |i0: usize, rows: usize| {
@@ -55,6 +58,29 @@ pub fn lora(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: 
         run(0, m);
     } else {
         (0..m.div_ceil(CHUNK)).into_par_iter().for_each(|c| run(c * CHUNK, CHUNK.min(m - c * CHUNK)));
+    }
+}
+
+/// Up to this many rows (decode steps), `lora` transposes x instead of A and B.
+const FEW_ROWS: usize = 16;
+
+/// `lora` for a few rows: `uᵀ = A·xᵀ` and `(u Bᵀ)ᵀ = B·uᵀ`, so only the m rows of x are
+/// transposed (a decode step's 8 rows of 576 are cheaper than A and B, every call). Each element
+/// is the same FMA chain over the same products in the same order as in `lora` (a product
+/// commutes exactly), and the scale is applied as there, so a row gets the same bits either way.
+#[allow(clippy::too_many_arguments)]
+fn lora_few(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
+    let xt = transpose(&x[..m * k], m, k);
+    let (mut ut, mut yt) = (vec![0f32; r * m], vec![0f32; n_out * m]);
+    // Safety: the buffers hold these extents (checked by the caller).
+    unsafe {
+        product(r, m, k, a.as_ptr(), k, 1, xt.as_ptr(), m, ut.as_mut_ptr(), m, 1.0, false);
+        product(n_out, m, r, b.as_ptr(), r, 1, ut.as_ptr(), m, yt.as_mut_ptr(), m, 1.0, false);
+    }
+    for i in 0..m {
+        for (o, y) in out[i * ld + col0..][..n_out].iter_mut().enumerate() {
+            *y += scale * yt[o * m + i];
+        }
     }
 }
 
@@ -366,6 +392,7 @@ mod tests {
         let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * n));
         let mut all = vec![0f32; m * n];
         lora(&x, &a, &b, 0.5, m, k, r, n, &mut all, 0, n);
+        // 1, 5 and 16 rows take `lora_few`, 17 the blocked path
         for &(i0, rows) in &[(0, 1), (7, 5), (13, 16), (250, 17), (599, 1)] {
             let mut part = vec![0f32; rows * n];
             lora(&x[i0 * k..(i0 + rows) * k], &a, &b, 0.5, rows, k, r, n, &mut part, 0, n);
