@@ -8,9 +8,10 @@
 //! go in blocks of `BLOCK`: a block does all of its products while its rows of x and dy are in
 //! L2, each on one unpacked AVX-512 kernel, `C (+)= α·A·B` with B's rows contiguous and A read by
 //! broadcasts at any strides (`product`); A and B are transposed once per call so that every
-//! product has that form (for a decode step's few rows, x is transposed instead: `lora_few`). The sums of dA and dB are taken per fixed `CHUNK` of rows and the
-//! partials added in order, and each row's output comes from the same kernel whatever the row
-//! count, so the results depend neither on the thread count nor on how rows were batched.
+//! product has that form (for a decode step's few rows, x is transposed instead: `lora_few`).
+//! The sums of dA and dB are taken per fixed `CHUNK` of rows and the partials added in order,
+//! and each row's output comes from the same FMA chain whatever the row count, so the results
+//! depend neither on the thread count nor on how rows were batched.
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 
@@ -54,10 +55,11 @@ pub fn lora(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: 
             }
         }
     };
-    if m <= CHUNK {
+    // rows are independent here (no partial sums): one task per block
+    if m <= BLOCK {
         run(0, m);
     } else {
-        (0..m.div_ceil(CHUNK)).into_par_iter().for_each(|c| run(c * CHUNK, CHUNK.min(m - c * CHUNK)));
+        (0..m.div_ceil(BLOCK)).into_par_iter().for_each(|c| run(c * BLOCK, BLOCK.min(m - c * BLOCK)));
     }
 }
 
