@@ -192,8 +192,10 @@ impl<T: KvElem> KvPages<T> {
         let (hd, ps, q_dim, kv_dim) = (g.head_dim, g.page_size, g.q_dim(), g.kv_dim());
         let width = g.qkv_dim();
         assert!(qkv.len() >= slots.len() * width, "kv store: {} rows of qkv for {} slots", qkv.len() / width.max(1), slots.len());
-        // runs (first row, rows, page base): consecutive slots inside one page
-        let mut runs: Vec<(usize, usize, SendPtr<T>)> = Vec::new();
+        // the writes below go through raw pointers: the block offsets must stay inside a page
+        assert!(layer < g.n_layers, "kv store: layer {layer} of a cache for {}", g.n_layers);
+        // runs (first row, rows, page): consecutive slots inside one page
+        let mut runs: Vec<(usize, usize, u32)> = Vec::new();
         let mut row = 0;
         while row < slots.len() {
             let first = slots[row];
@@ -201,17 +203,32 @@ impl<T: KvElem> KvPages<T> {
             while row + len < slots.len() && slots[row + len] == first + len as u32 && (first as usize % ps) + len < ps {
                 len += 1;
             }
-            let base = SendPtr(self.page_mut(first / ps as u32).as_mut_ptr());
-            runs.push((row, len, base));
+            self.page_mut(first / ps as u32); // allocated before any pointer is taken
+            runs.push((row, len, first / ps as u32));
             row += len;
         }
+        // one base pointer per page, taken after every allocation
+        let mut pages: Vec<u32> = runs.iter().map(|r| r.2).collect();
+        pages.sort_unstable();
+        pages.dedup();
+        let bases: Vec<SendPtr<T>> = pages.iter().map(|&p| SendPtr(self.pages[p as usize].as_deref_mut().expect("allocated above").as_mut_ptr())).collect();
+        let base_of = |p: u32| bases[pages.binary_search(&p).expect("a run's page")];
+        // in parallel from 64 rows, if no slot is written twice (the runtime's slots are unique;
+        // otherwise two tasks would write one element: then serially, the last row winning)
+        let parallel = slots.len() >= 64 && {
+            let mut sorted: Vec<u32> = slots.to_vec();
+            sorted.sort_unstable();
+            sorted.windows(2).all(|w| w[0] != w[1])
+        };
         let write = |&(run, h): &(usize, usize)| {
-            let (r0, len, base) = runs[run];
+            let (r0, len, page) = runs[run];
+            let base = base_of(page);
             let s0 = slots[r0] as usize % ps;
             let (kb, vb) = (block(&g, layer, 0, h), block(&g, layer, 1, h));
-            // Safety: each (run, head) task writes only its own slots s0..s0+len of its own
-            // head's blocks, inside a live page (page_mut above); runs never share a slot, so
-            // these slices are disjoint across tasks.
+            // Safety: each (run, head) task writes only its own slots s0..s0+len (s0 + len ≤
+            // page_size) of its own head's blocks (layer < n_layers), inside a page allocated
+            // above; in parallel no two runs share a slot (checked), so these slices are
+            // disjoint across concurrent tasks.
             let strip = |off: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(base.get().add(off), n) };
             let src = |j: usize| &qkv[(r0 + j) * width..(r0 + j + 1) * width];
             for d in 0..hd {
@@ -228,7 +245,7 @@ impl<T: KvElem> KvPages<T> {
             }
         };
         let tasks: Vec<(usize, usize)> = (0..runs.len()).flat_map(|r| (0..g.n_kv_heads).map(move |h| (r, h))).collect();
-        if slots.len() >= 64 {
+        if parallel {
             tasks.par_iter().for_each(write);
         } else {
             tasks.iter().for_each(write);
@@ -827,6 +844,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A slot written twice in one call (≥ 64 rows, the parallel size) holds the later row, as
+    /// one-by-one writes would leave it.
+    #[test]
+    fn store_repeated_slot_keeps_the_last_row() {
+        let g = AttnGeom { n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, page_size: 64 };
+        let w = g.qkv_dim();
+        let slots: Vec<u32> = (0..70).chain([5]).collect();
+        let qkv: Vec<f32> = (0..slots.len() * w).map(|e| (e / w) as f32 + (e % w) as f32 / 64.0).collect();
+        let mut kv = KvPages::<f32>::new(g, 2);
+        kv.store(0, &qkv, &slots);
+        let (mut kt, mut vv) = (vec![0f32; 16 * 70], vec![0f32; 70 * 16]);
+        kv.gather(0, 0, 0, &[0, 1], 70, &mut kt);
+        kv.gather(0, 1, 0, &[0, 1], 70, &mut vv);
+        assert_eq!(kt[3 * 70 + 5], qkv[70 * w + g.q_dim() + 3], "key of slot 5");
+        assert_eq!(vv[5 * 16 + 3], qkv[70 * w + g.q_dim() + g.kv_dim() + 3], "value of slot 5");
+        assert_eq!(vv[6 * 16 + 3], qkv[6 * w + g.q_dim() + g.kv_dim() + 3], "value of slot 6");
     }
 
     /// Decode rows (the direct kernels: 1–4 vectors of keys or columns × 1–3 heads, the tail

@@ -626,8 +626,9 @@ impl Job<'_> {
 
     /// k block `b` (pairs `q0..q0+kb`) of panels `p0..p1` × rows `r0..r1` on AMX tiles: strips of
     /// 32 rows (A is padded to whole strips) × one panel; each strip-panel's 32 × 32 block sums
-    /// go through a scratch tile into C with the other kernels' store (`Tile::store`: the first
-    /// block stores, later ones add, the bias after the last).
+    /// go into C with the other kernels' store (`Tile::store`: the first block stores, later ones
+    /// add, the bias after the last) — a whole block that only stores goes straight from the tile
+    /// registers into C, the others through a scratch tile.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn block_amx(&self, b: usize, blocks: usize, q0: usize, kb: usize, panels: *const u32, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {

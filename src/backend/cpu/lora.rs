@@ -9,9 +9,10 @@
 //! L2, each on one unpacked AVX-512 kernel, `C (+)= α·A·B` with B's rows contiguous and A read by
 //! broadcasts at any strides (`product`); A and B are transposed once per call so that every
 //! product has that form (for a decode step's few rows, x is transposed instead: `lora_few`).
-//! The sums of dA and dB are taken per fixed `CHUNK` of rows and the partials added in order,
-//! and each row's output comes from the same FMA chain whatever the row count, so the results
-//! depend neither on the thread count nor on how rows were batched.
+//! The sums of dA and dB are taken per fixed `CHUNK` of rows (counted from the call's first row)
+//! and the partials added in order, so they do not depend on the thread count; each row's
+//! output and dx come from the same FMA chain whatever the row count, so they do not depend on
+//! how rows were batched either.
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 
@@ -229,7 +230,8 @@ mod avx512 {
             let mut i0 = 0;
             while i0 < m {
                 let rows = (m - i0).min(rmax);
-                let q = Prod { a: p.a.add(i0 * p.a_rs), b: p.b.add(j0), c: p.c.add(i0 * p.ldc + j0), ..p };
+                // wrapping: with kk = 0 A and B may be empty (dangling); nothing is read then
+                let q = Prod { a: p.a.wrapping_add(i0 * p.a_rs), b: p.b.wrapping_add(j0), c: p.c.add(i0 * p.ldc + j0), ..p };
                 macro_rules! rows {
                     ($v:literal: $($r:literal)*) => {
                         match (rows, cm) {
@@ -371,7 +373,9 @@ mod tests {
     #[test]
     fn kernel_and_portable_agree_bit_for_bit() {
         let mut rng = Rng::new(8);
-        for &(m, n, kk) in &[(1, 1, 1), (13, 16, 577), (25, 48, 7), (7, 70, 64), (30, 200, 19), (12, 33, 5)] {
+        // strips of 1, 2, 3 and 4 vectors (n 16, 20 and 96 = 64 + 32, 48 and 33, 70 and 200),
+        // row remainders, l tails of 1–3 after the 4-step loop, and kk = 0
+        for &(m, n, kk) in &[(1, 1, 1), (13, 16, 577), (9, 20, 11), (5, 96, 3), (25, 48, 7), (7, 70, 64), (30, 200, 19), (12, 33, 5), (3, 40, 0)] {
             for &(col_major, accumulate) in &[(false, false), (true, true), (false, true)] {
                 let (a, b, c0) = (rand(&mut rng, m * kk), rand(&mut rng, kk * n), rand(&mut rng, m * n));
                 let (rs, cs) = if col_major { (1, m) } else { (kk, 1) };

@@ -347,6 +347,8 @@ impl TrainBackend for CpuBackend {
     ) -> Result<()> {
         ensure!(col0 + n_out <= ld && dy.len() >= m * ld, "lora_bwd: column slice {col0}+{n_out} outside rows of {ld}");
         ensure!(da.len() == r * k && db.len() == n_out * r, "lora_bwd: gradient buffers do not match A [{r}, {k}], B [{n_out}, {r}]");
+        ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r, "lora_bwd: x, A or B smaller than [{m}, {k}], [{r}, {k}], [{n_out}, {r}]");
+        ensure!(dx.as_ref().is_none_or(|d| d.len() >= m * k), "lora_bwd: dx smaller than [{m}, {k}]");
         lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()));
         Ok(())
     }

@@ -465,10 +465,14 @@ mod tests {
     /// including ±0, large magnitudes, infinities and NaN.
     #[test]
     fn silu_mul_matches_the_scalar_formula() {
-        let mut g: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.173).collect();
-        g.extend([0.0, -0.0, 88.5, -88.5, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-40, -3.0]);
+        // the special values first (the 16-lane path), again at 16..27 (the 8-lane path when
+        // AVX-512 is missing) and at the end (the scalar tail)
+        let special = [0.0, -0.0, 88.5, -88.5, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-40, -3.0];
+        let mut g: Vec<f32> = special.iter().chain(&[0.5; 5]).chain(&special).copied().collect();
+        g.extend((0..1000).map(|i| (i as f32 - 500.0) * 0.173));
+        g.extend(special);
         let u: Vec<f32> = (0..g.len()).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.31).collect();
-        for n in [g.len(), 1011, 1000, 17, 9, 3] {
+        for n in [g.len(), 1030, 1000, 27, 17, 9, 3] {
             let mut out = vec![0f32; n];
             silu_mul(&g[..n], &u[..n], &mut out);
             for i in 0..n {

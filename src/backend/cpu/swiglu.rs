@@ -96,12 +96,16 @@ mod tests {
     /// tail), for ±0, large magnitudes, infinities and NaN among ordinary values.
     #[test]
     fn rows_match_the_scalar_formulas() {
-        let mut g: Vec<f32> = (0..700).map(|i| (i as f32 - 350.0) * 0.211).collect();
-        g.extend([0.0, -0.0, 88.5, -88.5, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -2.5]);
+        // the special values first (the 16-lane path), again at 16.. (the 8-lane path without
+        // AVX-512) and at the end (the scalar tail)
+        let special = [0.0, -0.0, 88.5, -88.5, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -2.5];
+        let mut g: Vec<f32> = special.iter().chain(&[0.5; 6]).chain(&special).copied().collect();
+        g.extend((0..700).map(|i| (i as f32 - 350.0) * 0.211));
+        g.extend(special);
         let vals = |mul: usize, off: f32| (0..g.len()).map(|i| ((i * mul % 97) as f32 - 48.0) * off).collect::<Vec<f32>>();
         let (u, da) = (vals(31, 0.37), vals(53, 0.05));
         let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
-        for n in [g.len(), 705, 700, 24, 15, 7] {
+        for n in [g.len(), 725, 700, 26, 15, 7] {
             let (mut dg, mut du, mut act) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
             swiglu_bwd_row(&g[..n], &u[..n], &da[..n], &mut dg, &mut du);
             let mut gu = g[..n].to_vec();
