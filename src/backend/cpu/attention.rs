@@ -213,12 +213,13 @@ impl<T: KvElem> KvPages<T> {
         pages.dedup();
         let bases: Vec<SendPtr<T>> = pages.iter().map(|&p| SendPtr(self.pages[p as usize].as_deref_mut().expect("allocated above").as_mut_ptr())).collect();
         let base_of = |p: u32| bases[pages.binary_search(&p).expect("a run's page")];
-        // in parallel from 64 rows, if no slot is written twice (the runtime's slots are unique;
-        // otherwise two tasks would write one element: then serially, the last row winning)
+        // in parallel from 64 rows, if no slot is written twice — no two runs' slot ranges
+        // overlap (the runtime's slots are unique; otherwise two tasks would write one element:
+        // then serially, the last row winning)
         let parallel = slots.len() >= 64 && {
-            let mut sorted: Vec<u32> = slots.to_vec();
-            sorted.sort_unstable();
-            sorted.windows(2).all(|w| w[0] != w[1])
+            let mut ranges: Vec<(u32, usize)> = runs.iter().map(|&(r0, len, _)| (slots[r0], len)).collect();
+            ranges.sort_unstable();
+            ranges.windows(2).all(|w| w[0].0 as usize + w[0].1 <= w[1].0 as usize)
         };
         let write = |&(run, h): &(usize, usize)| {
             let (r0, len, page) = runs[run];
@@ -230,7 +231,6 @@ impl<T: KvElem> KvPages<T> {
             // above; in parallel no two runs share a slot (checked), so these slices are
             // disjoint across concurrent tasks.
             let strip = |off: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(base.get().add(off), n) };
-            let src = |j: usize| &qkv[(r0 + j) * width..(r0 + j + 1) * width];
             for d in 0..hd {
                 let col = q_dim + h * hd + d;
                 for (j, o) in strip(kb + d * ps + s0, len).iter_mut().enumerate() {
@@ -238,7 +238,7 @@ impl<T: KvElem> KvPages<T> {
                 }
             }
             for j in 0..len {
-                let v = &src(j)[q_dim + kv_dim + h * hd..][..hd];
+                let v = &qkv[(r0 + j) * width + q_dim + kv_dim + h * hd..][..hd];
                 for (o, &x) in strip(vb + (s0 + j) * hd, hd).iter_mut().zip(v) {
                     *o = T::round(x);
                 }

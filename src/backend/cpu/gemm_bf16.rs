@@ -642,21 +642,12 @@ impl Job<'_> {
                 let j0 = pn * NR;
                 let (ai, bp) = (a.add((i - r0) * self.pairs + q0), panels.add((pn - p0) * kb * NR));
                 let cols = (self.cols - j0).min(NR);
-                if overwrite && rows == AMX_MR && cols == NR {
-                    // a whole block written, not added to: store the tiles in place (the same
-                    // bits as through `acc`, without the copy)
-                    let c = self.c.get().add(i * self.cols + j0);
-                    amx::block_to(ai, self.pairs, bp, kb, c, self.cols);
-                    if !bias.is_null() {
-                        let bs = std::slice::from_raw_parts(bias.add(j0), NR);
-                        for r in 0..rows {
-                            let c = std::slice::from_raw_parts_mut(c.add(r * self.cols), NR);
-                            c.iter_mut().zip(bs).for_each(|(c, &b)| *c += b);
-                        }
-                    }
-                    continue;
-                }
-                if rows <= 16 {
+                // a whole block written, not added to: the tiles store into C in place (the
+                // same bits as through `acc`, without the copy)
+                let direct = overwrite && rows == AMX_MR && cols == NR;
+                if direct {
+                    amx::block_to(ai, self.pairs, bp, kb, self.c.get().add(i * self.cols + j0), self.cols);
+                } else if rows <= 16 {
                     // decode: one A tile; the same tdpbf16ps sequence per element (same bits)
                     amx::block16(ai, self.pairs, bp, kb, &mut acc);
                 } else {
@@ -667,7 +658,7 @@ impl Job<'_> {
                     let s = &acc.0[r * NR..r * NR + cols];
                     if !overwrite {
                         c.iter_mut().zip(s).for_each(|(c, &s)| *c += s); // C + sums: IEEE addition commutes (Tile::store)
-                    } else {
+                    } else if !direct {
                         c.copy_from_slice(s);
                     }
                     if !bias.is_null() {

@@ -21,14 +21,12 @@ const BLOCK: usize = 64;
 /// Rows per partial dA/dB (a rayon task); fixed, so the sums do not depend on the thread count.
 const CHUNK: usize = 256;
 
-/// `t[c, r] = m[r, c]` for a row-major `[rows, cols]` matrix.
+/// `t[c, r] = m[r, c]` for a row-major `[rows, cols]` matrix, as a new buffer.
 fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    assert!(m.len() >= rows * cols, "transpose: {} elements for [{rows}, {cols}]", m.len());
     let mut t = vec![0f32; rows * cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            t[c * rows + r] = m[r * cols + c];
-        }
-    }
+    // Safety: both extents are rows × cols (checked above), in distinct buffers.
+    unsafe { super::memory::transpose(m.as_ptr(), cols, rows, cols, t.as_mut_ptr(), rows) };
     t
 }
 
