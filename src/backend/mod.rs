@@ -180,6 +180,13 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Whether the ops compute on the calling process's rayon threads (the CPU backend): then a
+    /// loop of short ops keeps those threads awake (`util::awake`). A GPU backend's host threads
+    /// only enqueue: the default, no.
+    fn host_compute(&self) -> bool {
+        false
+    }
+
     // ---- memory ----
     fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
     /// Like `upload`, taking ownership (the CPU backend keeps the vector without copying).

@@ -92,7 +92,7 @@ pub fn generate<B: Backend>(
         })
         .collect();
     let budget = opts.max_batch_tokens.max(1);
-    let result = (|| -> Result<()> {
+    let result = awake(&model.be, || -> Result<()> {
         loop {
             // Decode rows first (one token each), then prefill chunks in the remaining budget.
             let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (live idx, from, to) of feed or usize::MAX for decode
@@ -185,7 +185,7 @@ pub fn generate<B: Backend>(
             }
             on_token(produced);
         }
-    })();
+    });
     if let Err(e) = result {
         for l in live {
             kv.release(&model.be, l.req.seq);
@@ -206,6 +206,16 @@ pub fn generate<B: Backend>(
             }
         })
         .collect())
+}
+
+/// Run a loop of forward steps with the CPU backend's threads kept awake between its ops
+/// (`util::awake`: a decode step is ~200 short parallel ops).
+fn awake<B: Backend, R>(be: &B, f: impl FnOnce() -> R) -> R {
+    if be.host_compute() {
+        crate::util::awake::keep_awake(f)
+    } else {
+        f()
+    }
 }
 
 fn hits_stop<B: Backend>(model: &Model<B>, out: &[u32], stops: &[String]) -> bool {
@@ -233,7 +243,7 @@ fn feed_chunks<B: Backend>(
 ) -> Result<()> {
     let mut cursor = vec![0usize; seqs.len()];
     let budget = opts.max_batch_tokens.max(1);
-    let res = (|| -> Result<()> {
+    let res = awake(&model.be, || -> Result<()> {
         loop {
             let mut plan = Vec::new();
             let mut used = 0;
@@ -270,7 +280,7 @@ fn feed_chunks<B: Backend>(
                 on_out(i, o);
             }
         }
-    })();
+    });
     if res.is_err() {
         for s in seqs.drain(..) {
             kv.release(&model.be, s);

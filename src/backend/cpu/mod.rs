@@ -130,6 +130,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn host_compute(&self) -> bool {
+        true
+    }
+
     fn upload(&self, data: &[f32]) -> Result<CpuBuf> {
         Ok(data.to_vec().into())
     }
