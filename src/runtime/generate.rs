@@ -92,7 +92,7 @@ pub fn generate<B: Backend>(
         })
         .collect();
     let budget = opts.max_batch_tokens.max(1);
-    let result = awake(&model.be, || -> Result<()> {
+    let result = (|| -> Result<()> {
         loop {
             // Decode rows first (one token each), then prefill chunks in the remaining budget.
             let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (live idx, from, to) of feed or usize::MAX for decode
@@ -139,7 +139,7 @@ pub fn generate<B: Backend>(
                 .zip(&plan)
                 .map(|(((seq, t), want), &(_, a, _))| Entry { seq, tokens: t, want, sampled: a == usize::MAX })
                 .collect();
-            let outs = model.step(kv, &mut entries);
+            let outs = awake(&model.be, || model.step(kv, &mut entries));
             drop(entries);
             for (&(i, _, _), s) in plan.iter().zip(seqs.drain(..)) {
                 live[i].req.seq = s;
@@ -185,7 +185,7 @@ pub fn generate<B: Backend>(
             }
             on_token(produced);
         }
-    });
+    })();
     if let Err(e) = result {
         for l in live {
             kv.release(&model.be, l.req.seq);
@@ -208,8 +208,8 @@ pub fn generate<B: Backend>(
         .collect())
 }
 
-/// Run a loop of forward steps with the CPU backend's threads kept awake between its ops
-/// (`util::awake`: a decode step is ~200 short parallel ops).
+/// One forward step with the CPU backend's threads kept awake between its ops (`util::awake`:
+/// a decode step is ~200 short parallel ops).
 fn awake<B: Backend, R>(be: &B, f: impl FnOnce() -> R) -> R {
     if be.host_compute() {
         crate::util::awake::keep_awake(f)
@@ -243,7 +243,7 @@ fn feed_chunks<B: Backend>(
 ) -> Result<()> {
     let mut cursor = vec![0usize; seqs.len()];
     let budget = opts.max_batch_tokens.max(1);
-    let res = awake(&model.be, || -> Result<()> {
+    let res = (|| -> Result<()> {
         loop {
             let mut plan = Vec::new();
             let mut used = 0;
@@ -265,7 +265,7 @@ fn feed_chunks<B: Backend>(
                 .zip(taken.iter_mut())
                 .map(|(&(i, a, b), seq)| Entry { seq, tokens: &feeds[i][a..b], want: want(i, a, b), sampled: false })
                 .collect();
-            let outs = model.step(kv, &mut entries);
+            let outs = awake(&model.be, || model.step(kv, &mut entries));
             drop(entries);
             for (&(i, _, b), s) in plan.iter().zip(taken.drain(..)) {
                 seqs[i] = s;
@@ -280,7 +280,7 @@ fn feed_chunks<B: Backend>(
                 on_out(i, o);
             }
         }
-    });
+    })();
     if res.is_err() {
         for s in seqs.drain(..) {
             kv.release(&model.be, s);
