@@ -25,7 +25,7 @@
 //! The results do not change: which thread runs a task never changes what it computes (every
 //! kernel's sums are fixed by the task split, not by the threads).
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Idle rounds of `spin_loop` before the loop yields the core between checks (~50 µs).
@@ -56,7 +56,9 @@ struct Count {
 /// without work.
 fn keep_awake_counted<R>(awake: &Arc<Count>, idle_exit: Duration, f: impl FnOnce() -> R) -> R {
     let (Some(me), threads) = (rayon::current_thread_index(), rayon::current_num_threads()) else { return f() };
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // asked once: it reads the affinity mask and the cgroup's CPU quota (files) on Linux
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads < 2 || threads > cores || ACTIVE.swap(true, Ordering::AcqRel) {
         return f();
     }
