@@ -260,6 +260,12 @@ pub(crate) mod avx512 {
         _mm512_mul_ps(y, e)
     }
 
+    /// `exp(−x)`, −x by flipping the sign bit: exactly the scalar `-x` (±0, NaN included).
+    #[inline(always)]
+    pub unsafe fn exp_neg(x: __m512) -> __m512 {
+        exp(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(i32::MIN))))
+    }
+
     /// `out[i] = g[i] / (1 + exp(−g[i])) · u[i]` for the whole vectors of `n` (SwiGLU's
     /// forward, the scalar formula's operations in its order); returns how many were done.
     #[target_feature(enable = "avx512f")]
@@ -268,8 +274,7 @@ pub(crate) mod avx512 {
         let one = _mm512_set1_ps(1.0);
         for i in (0..n16).step_by(16) {
             let gv = _mm512_loadu_ps(g.add(i));
-            let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(i32::MIN)));
-            let e = exp(neg);
+            let e = exp_neg(gv);
             let y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u.add(i)));
             _mm512_storeu_ps(out.add(i), y);
         }

@@ -66,7 +66,7 @@ fn swiglu_bwd_row(g: &[f32], u: &[f32], dact: &[f32], dg: &mut [f32], du: &mut [
 /// `swiglu_bwd_row` on 16 lanes: the scalar formula's operations in its order (the same bits).
 #[cfg(target_arch = "x86_64")]
 mod x512 {
-    use super::simd::avx512::exp;
+    use super::simd::avx512::exp_neg;
     use std::arch::x86_64::*;
 
     /// The whole vectors of `n`; returns how many were done.
@@ -76,8 +76,7 @@ mod x512 {
         let one = _mm512_set1_ps(1.0);
         for i in (0..n16).step_by(16) {
             let (gv, uv, dv) = (_mm512_loadu_ps(g.add(i)), _mm512_loadu_ps(u.add(i)), _mm512_loadu_ps(da.add(i)));
-            let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(i32::MIN)));
-            let sig = _mm512_div_ps(one, _mm512_add_ps(one, exp(neg)));
+            let sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_neg(gv)));
             // da·u·σ·(1 + g·(1 − σ)), da·g·σ
             let a = _mm512_mul_ps(_mm512_mul_ps(dv, uv), sig);
             let b = _mm512_add_ps(one, _mm512_mul_ps(gv, _mm512_sub_ps(one, sig)));
