@@ -13,7 +13,7 @@
 //! | memory | embed, gather_rows, scale_rows, scatter_add_rows, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
 //! | attention | paged causal GQA attention (prefill, scoring, decode); the KV cache (kv_new, kv_store, kv_copy_page) | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
 //! | attention_dense | training attention forward (+ lse) and backward | cpu/attention_dense.rs | cuda/attention_dense.rs | kernels/attention_dense.cu |
-//! | matmul | matmul, lora, matmul_dx, lora_bwd, lora_merge | cpu/matmul.rs (+ gemm512.rs, lora.rs) | cuda/gemm.rs (cuBLASLt) | — |
+//! | matmul | matmul, lora, matmul_lora, matmul_dx, lora_bwd, matmul_dx_lora, lora_merge | cpu/matmul.rs (+ gemm512.rs, lora.rs) | cuda/gemm.rs (cuBLASLt) | — |
 //! | logprob | logprobs, head_grad (vocabulary tiles, online softmax) | cpu/logprob.rs | cuda/logprob.rs | kernels/logprob.cu |
 //! | sample | sample | cpu/sample.rs | cuda/sample.rs | kernels/sample.cu |
 //! | optim | sum_squares, scale, accumulate, adamw | cpu/optim.rs | cuda/optim.rs | kernels/optim.cu |
@@ -165,6 +165,17 @@ impl AdamWStep {
     }
 }
 
+/// One LoRA pair on a column slice of a projection's output: `out[:, col0..col0+n_out] +=
+/// scale · (x Aᵀ) Bᵀ`, `A [r, k]`, `B [n_out, r]` (`Backend::matmul_lora`, `TrainBackend::matmul_dx_lora`).
+pub struct LoraSlice<'a, Buf> {
+    pub a: &'a Buf,
+    pub b: &'a Buf,
+    pub scale: f32,
+    pub r: usize,
+    pub col0: usize,
+    pub n_out: usize,
+}
+
 pub trait Backend: Send + Sync {
     /// A flat array on the backend's device.
     type Buf: Send + Sync;
@@ -248,6 +259,17 @@ pub trait Backend: Send + Sync {
     /// `x [m, k]`, `A [r, k]`, `B [n_out, r]`, `out` rows of `ld` — `B·A` is never formed.
     #[allow(clippy::too_many_arguments)]
     fn lora(&self, x: &Self::Buf, a: &Self::Buf, b: &Self::Buf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut Self::Buf, col0: usize, ld: usize) -> Result<()>;
+    /// `matmul`, then `lora` of each pair in order (input `x [m, k]`, `out` rows of `n`), as one
+    /// op so that a backend can add the deltas while the output is in cache (the CPU's bf16
+    /// GEMM does). The same result as the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_lora(&self, x: &Self::Buf, w: &Self::Buf, bias: Option<&Self::Buf>, m: usize, k: usize, n: usize, out: &mut Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>]) -> Result<()> {
+        self.matmul(x, w, bias, m, k, n, out)?;
+        for p in pairs {
+            self.lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n)?;
+        }
+        Ok(())
+    }
     /// Rotate the q and k parts of the fused `qkv [rows, qkv_dim]` in place (HF's rotate_half
     /// convention) at `positions[row]`, with `inv_freq` (`head_dim/2`).
     fn rope(&self, qkv: &mut Self::Buf, positions: &[u32], inv_freq: &[f32], geom: AttnGeom) -> Result<()>;
@@ -340,6 +362,19 @@ pub trait TrainBackend: Backend {
     /// Input gradient of a frozen projection `y = x wᵀ`: `dx[m, k] (+)= dy[m, n] · w[n, k]`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_dx(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, accumulate: bool) -> Result<()>;
+    /// `matmul_dx` (dx overwritten), then `lora_bwd` of each pair in order with `dx` (`x [m, k]`
+    /// the projection's input, `dy [m, n]`; `grads[i]` = pair i's (dA, dB), accumulated), as one
+    /// op so that a backend can add the pairs' input gradients while dx is in cache (the CPU's
+    /// bf16 GEMM does). The same result as the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dx_lora(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, x: &Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>], grads: &mut [(&mut Self::Buf, &mut Self::Buf)]) -> Result<()> {
+        anyhow::ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
+        self.matmul_dx(dy, w, m, n, k, dx, false)?;
+        for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
+            self.lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, Some(&mut *dx))?;
+        }
+        Ok(())
+    }
     /// Backward of `Backend::lora` (`y[:, col0..col0+n_out] += scale·(x Aᵀ) Bᵀ`, `y` rows of `ld`):
     /// with `dy` the gradient of the whole `y` (rows of `ld`), accumulate
     /// `dA [r, k] += scale·(dy_s B)ᵀ x`, `dB [n_out, r] += scale·dy_sᵀ (x Aᵀ)` and, when given,

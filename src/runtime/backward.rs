@@ -28,7 +28,7 @@
 //! The loss is supplied by the caller as a function of the response tokens' log-probabilities
 //! (and entropies) returning `∂loss/∂logp` per token (`rl::grpo` builds the GRPO one on this).
 use super::model::Model;
-use crate::backend::{DenseSeq, TrainBackend};
+use crate::backend::{DenseSeq, LoraSlice, TrainBackend};
 use crate::backend::Backend;
 use crate::model::lora::{Proj, ALL_PROJS};
 use crate::model::weights::HostTensor;
@@ -374,12 +374,8 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
     let qkv_dim = q_dim + 2 * kv_dim;
     // attention block
     be.rmsnorm(x, w.attn_norm, c.rms_eps, n, d, &mut a.h1)?;
-    prof::time("train_matmul", || be.matmul(&a.h1, w.qkv, w.qkv_bias, n, d, qkv_dim, &mut a.qkv))?;
-    if let Some(l) = w.lora_layer {
-        model.lora_delta(l, Proj::Q, &a.h1, n, &mut a.qkv, 0, qkv_dim)?;
-        model.lora_delta(l, Proj::K, &a.h1, n, &mut a.qkv, q_dim, qkv_dim)?;
-        model.lora_delta(l, Proj::V, &a.h1, n, &mut a.qkv, q_dim + kv_dim, qkv_dim)?;
-    }
+    let ls = |projs: &[(Proj, usize)]| w.lora_layer.map_or(Vec::new(), |l| model.lora_slices(l, projs));
+    prof::time("train_matmul", || be.matmul_lora(&a.h1, w.qkv, w.qkv_bias, n, d, qkv_dim, &mut a.qkv, &ls(&[(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)])))?;
     match (w.qk_norm, a.qkv_pre.as_mut()) {
         (Some((qn, kn)), Some(pre)) => {
             be.copy(&a.qkv, pre)?;
@@ -389,27 +385,17 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
         (Some(_), None) => bail!("internal: a q/k-norm layer without its pre-norm buffer"),
     }
     prof::time("train_attn", || be.attn_dense(&a.qkv, &batch.seqs, g, &mut a.att, &mut a.lse))?;
-    prof::time("train_matmul", || be.matmul(&a.att, w.o, w.o_bias, n, q_dim, d, &mut a.o))?;
-    if let Some(l) = w.lora_layer {
-        model.lora_delta(l, Proj::O, &a.att, n, &mut a.o, 0, d)?;
-    }
+    prof::time("train_matmul", || be.matmul_lora(&a.att, w.o, w.o_bias, n, q_dim, d, &mut a.o, &ls(&[(Proj::O, 0)])))?;
     // x ← x + o; h2 = rmsnorm(x)
     be.add_rmsnorm(x, &a.o, w.mlp_norm, c.rms_eps, n, d, &mut a.h2)?;
     if let Some(xm) = xm {
         be.copy(x, xm)?;
     }
     // MLP block
-    prof::time("train_matmul", || be.matmul(&a.h2, w.gate_up, None, n, d, 2 * inter, &mut a.gu))?;
-    if let Some(l) = w.lora_layer {
-        model.lora_delta(l, Proj::Gate, &a.h2, n, &mut a.gu, 0, 2 * inter)?;
-        model.lora_delta(l, Proj::Up, &a.h2, n, &mut a.gu, inter, 2 * inter)?;
-    }
+    prof::time("train_matmul", || be.matmul_lora(&a.h2, w.gate_up, None, n, d, 2 * inter, &mut a.gu, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
     be.swiglu(&a.gu, n, inter, &mut a.act)?;
     if full {
-        prof::time("train_matmul", || be.matmul(&a.act, w.down, None, n, inter, d, &mut a.o))?;
-        if let Some(l) = w.lora_layer {
-            model.lora_delta(l, Proj::Down, &a.act, n, &mut a.o, 0, d)?;
-        }
+        prof::time("train_matmul", || be.matmul_lora(&a.act, w.down, None, n, inter, d, &mut a.o, &ls(&[(Proj::Down, 0)])))?;
         be.add(x, &a.o, n * d)?;
     }
     Ok(())
@@ -591,37 +577,72 @@ fn grads_inner<B: TrainBackend, S>(
         let gl = &mut grads.layers[l];
         let a = &acts;
 
-        // MLP: out = x_mid + down(swiglu(gate_up(rmsnorm(x_mid)))); input gradients through the
-        // merged weights (LoRA included), then the LoRA pairs' own gradients
-        prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.down, n, d, inter, &mut dact, false))?;
-        let lazy = w.lora_layer.is_some(); // LoRA unmerged: its input gradients are added separately
-        lora_grad(model, l, n, Proj::Down, &a.act, &dres, 0, d, gl, lazy.then_some(&mut dact))?;
+        // MLP: out = x_mid + down(swiglu(gate_up(rmsnorm(x_mid)))); per projection, the input
+        // gradient through the merged weight (LoRA included) and the LoRA pairs' own gradients,
+        // or with LoRA unmerged the pairs' input gradients added in the same op (`dx_lora`)
+        let lazy = w.lora_layer.is_some();
+        dx_lora(model, l, n, w.down, &[(Proj::Down, 0)], &a.act, &dres, d, inter, Some(&mut dact), lazy, gl)?;
         be.swiglu_bwd(&a.gu, &dact, n, inter, &mut dgu)?;
-        prof::time("train_matmul_dx", || be.matmul_dx(&dgu, w.gate_up, n, 2 * inter, d, &mut dhid, false))?;
-        lora_grad(model, l, n, Proj::Gate, &a.h2, &dgu, 0, 2 * inter, gl, lazy.then_some(&mut dhid))?;
-        lora_grad(model, l, n, Proj::Up, &a.h2, &dgu, inter, 2 * inter, gl, lazy.then_some(&mut dhid))?;
+        dx_lora(model, l, n, w.gate_up, &[(Proj::Gate, 0), (Proj::Up, inter)], &a.h2, &dgu, 2 * inter, d, Some(&mut dhid), lazy, gl)?;
         be.rmsnorm_bwd(&*xm, w.mlp_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
 
         // attention: x_mid = x + o(attn(rope(qkv(rmsnorm(x)))))
-        prof::time("train_matmul_dx", || be.matmul_dx(&dres, w.o, n, d, q_dim, &mut datt, false))?;
-        lora_grad(model, l, n, Proj::O, &a.att, &dres, 0, d, gl, lazy.then_some(&mut datt))?;
+        dx_lora(model, l, n, w.o, &[(Proj::O, 0)], &a.att, &dres, d, q_dim, Some(&mut datt), lazy, gl)?;
         prof::time("train_attn_bwd", || be.attn_dense_bwd(&a.qkv, &a.att, &datt, &a.lse, &batch.seqs, model.geom(), &mut dqkv))?;
         match (w.qk_norm, a.qkv_pre.as_ref()) {
             (Some((qn, kn)), Some(pre)) => be.qk_norm_rope_bwd(pre, qn, kn, c.rms_eps, &mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
             _ => be.rope_bwd(&mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
         }
         // The embeddings are frozen: below layer 0 no input gradient is needed.
-        if l > 0 {
-            prof::time("train_matmul_dx", || be.matmul_dx(&dqkv, w.qkv, n, qkv_dim, d, &mut dhid, false))?;
-        }
-        for (p, col0) in [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)] {
-            lora_grad(model, l, n, p, &a.h1, &dqkv, col0, qkv_dim, gl, (lazy && l > 0).then_some(&mut dhid))?;
-        }
+        let qkv_projs = [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)];
+        dx_lora(model, l, n, w.qkv, &qkv_projs, &a.h1, &dqkv, qkv_dim, d, (l > 0).then_some(&mut dhid), lazy, gl)?;
         if l > 0 {
             be.rmsnorm_bwd(&xin, w.attn_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
         }
     }
     Ok((stats, grads))
+}
+
+/// The input gradient `dx = dy·W` through a projection's (merged) weight `w` (`dy [n, ld]`, dx
+/// `[n, k]`; none below layer 0), and the gradients of the LoRA pairs of `projs` (projection, its
+/// first column in `dy`) on the input `x`. Unmerged (`lazy`), the pairs' input gradients go
+/// into dx as well, in one op (`TrainBackend::matmul_dx_lora`, fused on the CPU's bf16 GEMM).
+#[allow(clippy::too_many_arguments)]
+fn dx_lora<B: TrainBackend>(
+    model: &Model<B>,
+    l: usize,
+    n: usize,
+    w: &B::Buf,
+    projs: &[(Proj, usize)],
+    x: &B::Buf,
+    dy: &B::Buf,
+    ld: usize,
+    k: usize,
+    dx: Option<&mut B::Buf>,
+    lazy: bool,
+    grads: &mut LayerGrads<B>,
+) -> Result<()> {
+    let dx = match dx {
+        Some(dx) if lazy => dx,
+        dx => {
+            if let Some(dx) = dx {
+                prof::time("train_matmul_dx", || model.be.matmul_dx(dy, w, n, ld, k, dx, false))?;
+            }
+            for &(p, col0) in projs {
+                lora_grad(model, l, n, p, x, dy, col0, ld, grads, None)?;
+            }
+            return Ok(());
+        }
+    };
+    let mut slots: Vec<Option<&mut (B::Buf, B::Buf)>> = grads.iter_mut().map(|g| g.as_mut()).collect();
+    let (mut pairs, mut gs) = (Vec::new(), Vec::new());
+    for &(p, col0) in projs {
+        if let (Some((a, b, scale, r)), Some(g)) = (model.lora_pair(l, p), slots[p.index()].take()) {
+            pairs.push(LoraSlice { a, b, scale, r, col0, n_out: p.dims(&model.cfg).1 });
+            gs.push((&mut g.0, &mut g.1));
+        }
+    }
+    prof::time("train_matmul_dx", || model.be.matmul_dx_lora(dy, w, n, ld, k, dx, x, &pairs, &mut gs))
 }
 
 /// Accumulate the gradients of (layer, proj)'s LoRA pair, if any, from its input `x` and the

@@ -3,7 +3,7 @@
 //! paged cache; only the rows whose outputs are wanted reach the final norm and the head.
 use super::kv::{KvCache, Seq};
 use super::model::Model;
-use crate::backend::{AttnSeq, Backend, SampleParams, Sampled};
+use crate::backend::{AttnSeq, Backend, LoraSlice, SampleParams, Sampled};
 use crate::model::lora::Proj;
 use crate::util::prof;
 use anyhow::{bail, Result};
@@ -112,22 +112,16 @@ impl<B: Backend> Model<B> {
         be.embed(&self.embed, &ids, d, &mut x)?;
         be.rmsnorm(&x, &self.layers[0].attn_norm, cfg.rms_eps, n, d, &mut h)?;
         for (l, w) in self.layers.iter().enumerate() {
-            prof::time("matmul_qkv", || be.matmul(&h, &w.qkv, w.qkv_bias.as_ref(), n, d, qkv_dim, &mut qkv))?;
-            self.lora_delta(l, Proj::Q, &h, n, &mut qkv, 0, qkv_dim)?;
-            self.lora_delta(l, Proj::K, &h, n, &mut qkv, q_dim, qkv_dim)?;
-            self.lora_delta(l, Proj::V, &h, n, &mut qkv, q_dim + kv_dim, qkv_dim)?;
+            let ls = |projs: &[(Proj, usize)]| self.lora_slices(l, projs);
+            prof::time("matmul_qkv", || be.matmul_lora(&h, &w.qkv, w.qkv_bias.as_ref(), n, d, qkv_dim, &mut qkv, &ls(&[(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)])))?;
             prof::time("rope", || self.rope_layer(l, &mut qkv, &positions))?;
             prof::time("kv_store", || be.kv_store(&mut kv.store, l, &qkv, &slots, g))?;
             prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
-            prof::time("matmul_o", || be.matmul(&att, &w.o, w.o_bias.as_ref(), n, q_dim, d, &mut o))?;
-            self.lora_delta(l, Proj::O, &att, n, &mut o, 0, d)?;
+            prof::time("matmul_o", || be.matmul_lora(&att, &w.o, w.o_bias.as_ref(), n, q_dim, d, &mut o, &ls(&[(Proj::O, 0)])))?;
             prof::time("add_rmsnorm", || be.add_rmsnorm(&mut x, &o, &w.mlp_norm, cfg.rms_eps, n, d, &mut h))?;
-            prof::time("matmul_gate_up", || be.matmul(&h, &w.gate_up, None, n, d, 2 * inter, &mut gu))?;
-            self.lora_delta(l, Proj::Gate, &h, n, &mut gu, 0, 2 * inter)?;
-            self.lora_delta(l, Proj::Up, &h, n, &mut gu, inter, 2 * inter)?;
+            prof::time("matmul_gate_up", || be.matmul_lora(&h, &w.gate_up, None, n, d, 2 * inter, &mut gu, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
             prof::time("swiglu", || be.swiglu(&gu, n, inter, &mut act))?;
-            prof::time("matmul_down", || be.matmul(&act, &w.down, None, n, inter, d, &mut o))?;
-            self.lora_delta(l, Proj::Down, &act, n, &mut o, 0, d)?;
+            prof::time("matmul_down", || be.matmul_lora(&act, &w.down, None, n, inter, d, &mut o, &ls(&[(Proj::Down, 0)])))?;
             match self.layers.get(l + 1) {
                 Some(next) => be.add_rmsnorm(&mut x, &o, &next.attn_norm, cfg.rms_eps, n, d, &mut h)?,
                 None => be.add(&mut x, &o, n * d)?,
@@ -252,13 +246,15 @@ impl<B: Backend> Model<B> {
         Ok(outs)
     }
 
-    /// Add the LoRA delta of (layer, proj), if the adapter has one, to a column slice of `out`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn lora_delta(&self, layer: usize, p: Proj, input: &B::Buf, m: usize, out: &mut B::Buf, col0: usize, ld: usize) -> Result<()> {
-        if let Some((a, b, scale, r)) = self.lora_pair(layer, p) {
-            let (din, dout) = p.dims(&self.cfg);
-            prof::time("lora", || self.be.lora(input, a, b, scale, m, din, r, dout, out, col0, ld))?;
-        }
-        Ok(())
+    /// The adapter's pairs among `projs` (projection, its first column in the fused output) of
+    /// `layer`, for `Backend::matmul_lora` / `TrainBackend::matmul_dx_lora`.
+    pub(crate) fn lora_slices(&self, layer: usize, projs: &[(Proj, usize)]) -> Vec<LoraSlice<'_, B::Buf>> {
+        projs
+            .iter()
+            .filter_map(|&(p, col0)| {
+                let (a, b, scale, r) = self.lora_pair(layer, p)?;
+                Some(LoraSlice { a, b, scale, r, col0, n_out: p.dims(&self.cfg).1 })
+            })
+            .collect()
     }
 }

@@ -91,6 +91,14 @@ impl PackedWeight {
         }
     }
 
+    /// The packed weight when it is one tile (the fused LoRA products take only those).
+    pub fn single(&self) -> Option<&PackedBf16> {
+        match &self.tiles[..] {
+            [(_, t)] => Some(t),
+            _ => None,
+        }
+    }
+
     /// `dx[m, k] (+)= dy[m, n] · W`.
     pub fn matmul_dx(&self, dy: &[f32], m: usize, dx: &mut [f32], accumulate: bool) {
         let (n, k) = (self.n, self.k);

@@ -388,7 +388,20 @@ pub fn matmul_bf16(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k:
 /// (for use inside already-parallel loops). The result does not depend on either.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_bf16_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool) {
+    // Safety: no tails
+    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, parallel, &[]) }
+}
+
+/// `matmul_bf16_with`, then each `Tail` added to its columns of `out` (in order) while a strip of
+/// rows is in cache. A tail with `at` gets its `u` computed here from x.
+///
+/// # Safety
+/// Each tail's pointers must cover its extents (`u` `[m, r]`; `at` `[k, r]`; `b` rows `0..r` of
+/// `ldb` with `ncols` columns), `col0 + ncols ≤ n`, and none may alias `x` or `out`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool, tails: &[Tail]) {
     assert!(w.n == n && w.k == k, "matmul_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
+    assert!(tails.iter().all(|t| t.col0 + t.ncols <= n) && (tails.is_empty() || k > 0), "matmul_bf16: a tail outside the output, or a tail with k = 0");
     assert!(x.len() >= m * k && out.len() >= m * n, "matmul_bf16: buffer too small");
     assert!(bias.is_none_or(|b| b.len() >= n), "matmul_bf16: bias shorter than {n}");
     if m == 0 || n == 0 {
@@ -413,6 +426,7 @@ pub fn matmul_bf16_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usiz
         accumulate: false,
         src: Source::Forward(w),
         micro: kernel.micro(w.pairs, w.kc),
+        tails,
     };
     job.run(parallel);
 }
@@ -425,7 +439,19 @@ pub fn matmul_dx_bf16(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, 
 /// `matmul_dx_bf16` with the kernel and the parallelism chosen (same bits either way).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_dx_bf16_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool, kernel: Kernel, parallel: bool) {
+    // Safety: no tails
+    unsafe { matmul_dx_bf16_tails(dy, w, m, n, k, dx, accumulate, kernel, parallel, &[]) }
+}
+
+/// `matmul_dx_bf16_with`, then each `Tail` added to its columns of `dx` (in order) while a
+/// strip of rows is in cache (tails with `at` are for the forward only).
+///
+/// # Safety
+/// As `matmul_bf16_tails`, with `dy` for `x`, `dx` for `out` and `k` for `n`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool, kernel: Kernel, parallel: bool, tails: &[Tail]) {
     assert!(w.n == n && w.k == k, "matmul_dx_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
+    assert!(tails.iter().all(|t| t.col0 + t.ncols <= k && t.at.is_none()) && (tails.is_empty() || n > 0), "matmul_dx_bf16: a tail outside dx, computing u, or with n = 0");
     assert!(dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_bf16: buffer too small");
     if m == 0 || k == 0 {
         return;
@@ -450,8 +476,28 @@ pub fn matmul_dx_bf16_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: us
         accumulate,
         src: Source::Transposed(w),
         micro: kernel.micro(pairs, k_block_pairs(pairs)),
+        tails,
     };
     job.run(parallel);
+}
+
+/// A low-rank term added to a column slice of a product's output, strip by strip while the
+/// strip's rows are in cache (a LoRA pair fused into the GEMM; see `lora::matmul_lora`):
+/// `C[i, col0 + j] += alpha · Σ_l u[i, l] · b[l·ldb + j]` for `j < ncols`, one f32 FMA chain per
+/// element in l order (`lora::product`), after the element's GEMM sums and bias. Without the
+/// GEMM's rows in cache this read-modify-write of C was ~a quarter of the LoRA products' time.
+pub(crate) struct Tail {
+    /// `[m, r]` row-major
+    pub(crate) u: SendPtr<f32>,
+    pub(crate) r: usize,
+    /// When set (`[red, r]`, the LoRA Aᵀ): `u = A_rows · at`, computed per piece of rows as
+    /// the GEMM converts them, so the f32 rows are read from memory once for both.
+    pub(crate) at: Option<SendPtr<f32>>,
+    pub(crate) b: SendPtr<f32>,
+    pub(crate) ldb: usize,
+    pub(crate) alpha: f32,
+    pub(crate) col0: usize,
+    pub(crate) ncols: usize,
 }
 
 /// Where a task's packed panels come from.
@@ -479,6 +525,8 @@ struct Job<'a> {
     accumulate: bool,
     src: Source<'a>,
     micro: Micro,
+    /// added to C per strip after the last k block
+    tails: &'a [Tail],
 }
 
 thread_local! {
@@ -505,7 +553,16 @@ impl Job<'_> {
             let convert = |piece: usize| {
                 let (i0, i1) = (piece * CONVERT_ROWS, ((piece + 1) * CONVERT_ROWS).min(rows));
                 // Safety: rows rb+i0..rb+i1 of A exist; pieces write disjoint rows of `conv`.
-                unsafe { convert_strip(self.a.get().add((rb + i0) * self.red), self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable) }
+                unsafe {
+                    let rows_f32 = self.a.get().add((rb + i0) * self.red);
+                    convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
+                    // the rows are in cache now; tails' pointers cover [m, r] (the caller's contract)
+                    for t in self.tails {
+                        if let Some(at) = t.at {
+                            super::lora::product(i1 - i0, t.r, self.red, rows_f32, self.red, 1, at.get(), t.r, t.u.get().add((rb + i0) * t.r), t.r, 1.0, false);
+                        }
+                    }
+                }
             };
             let pieces = rows.div_ceil(CONVERT_ROWS);
             if threads > 1 && pieces > 1 {
@@ -612,6 +669,9 @@ impl Job<'_> {
                     };
                     pn += t.run(rows, p1 - pn, self.micro == Micro::Avx512);
                 }
+                if b + 1 == blocks {
+                    self.tails_at(i, rows, p0, p1);
+                }
                 i += rows;
             }
         }
@@ -667,7 +727,24 @@ impl Job<'_> {
                     }
                 }
             }
+            if b + 1 == blocks {
+                self.tails_at(i, rows, p0, p1);
+            }
             i += AMX_MR;
+        }
+    }
+
+    /// The tails on rows `i..i+rows` (complete: after the last k block) × panels `p0..p1`.
+    ///
+    /// # Safety
+    /// The rows are this task's; the tails' extents as the entry points require.
+    unsafe fn tails_at(&self, i: usize, rows: usize, p0: usize, p1: usize) {
+        let (lo, hi) = (p0 * NR, (p1 * NR).min(self.cols));
+        for t in self.tails {
+            let (j0, j1) = (lo.max(t.col0), hi.min(t.col0 + t.ncols));
+            if j0 < j1 {
+                super::lora::product(rows, j1 - j0, t.r, t.u.get().add(i * t.r), t.r, 1, t.b.get().add(j0 - t.col0), t.ldb, self.c.get().add(i * self.cols + j0), self.cols, t.alpha, true);
+            }
         }
     }
 }

@@ -13,6 +13,7 @@
 //! and the partials added in order, so they do not depend on the thread count; each row's
 //! output and dx come from the same FMA chain whatever the row count, so they do not depend on
 //! how rows were batched either.
+use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, Kernel, PackedBf16, Tail};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 
@@ -106,15 +107,37 @@ pub fn lora_bwd(
     db: &mut [f32],
     dx: Option<&mut [f32]>,
 ) {
+    if let Some(dx) = &dx {
+        assert!(dx.len() >= m * k, "lora_bwd: dx too small");
+    }
+    bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| SendPtr(v.as_mut_ptr())), None);
+}
+
+/// `lora_bwd` with dx = `dxp` (`[m, k]`, added to) and/or `du` = `keep` (`[m, r]`, written:
+/// `matmul_dx_lora` adds `du A` to dx as a tail of the `dy W` product instead).
+#[allow(clippy::too_many_arguments)]
+fn bwd(
+    x: &[f32],
+    a: &[f32],
+    b: &[f32],
+    scale: f32,
+    m: usize,
+    k: usize,
+    r: usize,
+    n_out: usize,
+    dy: &[f32],
+    col0: usize,
+    ld: usize,
+    da: &mut [f32],
+    db: &mut [f32],
+    dxp: Option<SendPtr<f32>>,
+    keep: Option<SendPtr<f32>>,
+) {
     assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && dy.len() >= m * ld && da.len() >= r * k && db.len() >= n_out * r);
     if m == 0 || r == 0 {
         return;
     }
-    if let Some(dx) = &dx {
-        assert!(dx.len() >= m * k, "lora_bwd: dx too small");
-    }
     let at = transpose(&a[..r * k], r, k);
-    let dxp = dx.map(|v| SendPtr(v.as_mut_ptr()));
     let partials: Vec<(Vec<f32>, Vec<f32>)> = (0..m.div_ceil(CHUNK))
         .into_par_iter()
         .map(|c| {
@@ -131,15 +154,16 @@ pub fn lora_bwd(
                     let dys = dy.as_ptr().add(b0 * ld + col0);
                     // u [mb, r] = x_blk Aᵀ
                     product(mb, r, k, xs, k, 1, at.as_ptr(), r, u.as_mut_ptr(), r, 1.0, false);
-                    // du [mb, r] = scale · dy_blk B
-                    product(mb, r, n_out, dys, ld, 1, b.as_ptr(), r, du.as_mut_ptr(), r, scale, false);
+                    // du [mb, r] = scale · dy_blk B (into `keep`'s rows when kept)
+                    let dup = keep.map_or(du.as_mut_ptr(), |kp| kp.get().add(b0 * r));
+                    product(mb, r, n_out, dys, ld, 1, b.as_ptr(), r, dup, r, scale, false);
                     // dB [n_out, r] += scale · dy_blkᵀ u: A = dyᵀ (element (o, i) at o + i·ld)
                     product(n_out, r, mb, dys, 1, ld, u.as_ptr(), r, pb.as_mut_ptr(), r, scale, true);
                     // dA [r, k] += duᵀ x_blk
-                    product(r, k, mb, du.as_ptr(), 1, r, xs, k, pa.as_mut_ptr(), k, 1.0, true);
+                    product(r, k, mb, dup, 1, r, xs, k, pa.as_mut_ptr(), k, 1.0, true);
                     // dx_blk [mb, k] += du A
                     if let Some(dxp) = dxp {
-                        product(mb, k, r, du.as_ptr(), r, 1, a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
+                        product(mb, k, r, dup, r, 1, a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
                     }
                 }
             }
@@ -152,6 +176,87 @@ pub fn lora_bwd(
     }
 }
 
+/// One LoRA pair on a column slice of a projection's output (`Backend::matmul_lora`).
+pub struct Pair<'a> {
+    /// `[r, k]`
+    pub a: &'a [f32],
+    /// `[n_out, r]`
+    pub b: &'a [f32],
+    pub scale: f32,
+    pub r: usize,
+    pub col0: usize,
+    pub n_out: usize,
+}
+
+impl Pair<'_> {
+    fn check(&self, k: usize, n: usize) {
+        assert!(self.a.len() >= self.r * k && self.b.len() >= self.n_out * self.r && self.col0 + self.n_out <= n, "LoRA pair [{}, {k}] x [{}, {}] at column {} does not fit a product of {n} columns", self.r, self.n_out, self.r, self.col0);
+    }
+}
+
+/// `out = x Wᵀ (+ bias)` on the bf16 `w`, then `lora` of each pair in order — fused: each
+/// pair's `u = x Aᵀ` is computed as the GEMM converts x's rows, and `scale·u Bᵀ` is added to each
+/// strip of out right after the GEMM wrote it (`gemm_bf16::Tail`), instead of two more passes
+/// over x and a read-modify-write of out per pair. Same bits as the separate ops (every element
+/// is the same FMA chain; `fused_equals_separate`). A decode step's few rows take the separate
+/// ops (`lora_few`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_lora(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], pairs: &[Pair]) {
+    matmul_lora_with(x, w, bias, m, k, n, out, pairs, Kernel::Auto)
+}
+
+/// `matmul_lora` on the given GEMM kernel.
+#[allow(clippy::too_many_arguments)]
+fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], pairs: &[Pair], kernel: Kernel) {
+    pairs.iter().for_each(|p| p.check(k, n));
+    let pairs: Vec<&Pair> = pairs.iter().filter(|p| p.r > 0 && p.n_out > 0).collect();
+    if m <= FEW_ROWS || k == 0 || pairs.is_empty() {
+        matmul_bf16_with(x, w, bias, m, k, n, out, kernel, true);
+        for p in pairs {
+            lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n);
+        }
+        return;
+    }
+    let mut bufs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = pairs.iter().map(|p| (transpose(&p.a[..p.r * k], p.r, k), transpose(&p.b[..p.n_out * p.r], p.n_out, p.r), vec![0f32; m * p.r])).collect();
+    let tails: Vec<Tail> = pairs
+        .iter()
+        .zip(&mut bufs)
+        .map(|(p, (at, bt, u))| Tail { u: SendPtr(u.as_mut_ptr()), r: p.r, at: Some(SendPtr(at.as_mut_ptr())), b: SendPtr(bt.as_mut_ptr()), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out })
+        .collect();
+    // Safety: u [m, r], Aᵀ [k, r], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
+    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, true, &tails) }
+}
+
+/// `dx = dy W` on the bf16 `w` (`dy [m, n]`), then `lora_bwd` of each pair in order with dx
+/// (`x [m, k]` the projection's input; `grads[i]` pair i's dA and dB, accumulated) — fused: each
+/// pair's `du` is kept (`[m, r]`) and `du A` added to each strip of dx right after the `dy W`
+/// product wrote it. Same bits as the separate ops (`fused_equals_separate`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_dx_lora(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], x: &[f32], pairs: &[Pair], grads: &mut [(&mut [f32], &mut [f32])]) {
+    matmul_dx_lora_with(dy, w, m, n, k, dx, x, pairs, grads, Kernel::Auto)
+}
+
+/// `matmul_dx_lora` on the given GEMM kernel.
+#[allow(clippy::too_many_arguments)]
+fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], x: &[f32], pairs: &[Pair], grads: &mut [(&mut [f32], &mut [f32])], kernel: Kernel) {
+    assert!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
+    assert!(x.len() >= m * k && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: buffers too small");
+    pairs.iter().for_each(|p| p.check(k, n));
+    let mut kept: Vec<(Vec<f32>, &Pair)> = Vec::with_capacity(pairs.len());
+    for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
+        let mut du = vec![0f32; m * p.r];
+        bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, None, Some(SendPtr(du.as_mut_ptr())));
+        kept.push((du, p));
+    }
+    let tails: Vec<Tail> = kept
+        .iter_mut()
+        .filter(|(_, p)| p.r > 0 && m > 0 && n > 0)
+        .map(|(du, p)| Tail { u: SendPtr(du.as_mut_ptr()), r: p.r, at: None, b: SendPtr(p.a.as_ptr() as *mut f32), ldb: k, alpha: 1.0, col0: 0, ncols: k })
+        .collect();
+    // Safety: du [m, r] above, A [r, k] checked; the tails only read them.
+    unsafe { matmul_dx_bf16_tails(dy, w, m, n, k, dx, false, kernel, true, &tails) }
+}
+
 /// `C[m, n] (+)= alpha · A[m, kk] · B[kk, n]`, serial: A's element (i, l) at `a[i·a_rs + l·a_cs]`,
 /// B's row l at `b[l·ldb..]` (contiguous), C's row i at `c[i·ldc..]`. Each C element is one
 /// FMA chain over l in order, whatever m and n.
@@ -159,7 +264,7 @@ pub fn lora_bwd(
 /// # Safety
 /// The pointers must cover those extents; `c` must not alias `a` or `b`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn product(m: usize, n: usize, kk: usize, a: *const f32, a_rs: usize, a_cs: usize, b: *const f32, ldb: usize, c: *mut f32, ldc: usize, alpha: f32, accumulate: bool) {
+pub(crate) unsafe fn product(m: usize, n: usize, kk: usize, a: *const f32, a_rs: usize, a_cs: usize, b: *const f32, ldb: usize, c: *mut f32, ldc: usize, alpha: f32, accumulate: bool) {
     if m == 0 || n == 0 {
         return;
     }
@@ -383,6 +488,79 @@ mod tests {
                     portable(m, n, kk, a.as_ptr(), rs, cs, b.as_ptr(), n, c2.as_mut_ptr(), n, 0.7, accumulate);
                 }
                 assert!(c1 == c2, "kernel and portable loop differ at {m}x{n}x{kk} (column-major A: {col_major})");
+            }
+        }
+    }
+
+    /// The fused ops give the separate ops' bits: `out`, `dx`, dA and dB, on every bf16 kernel
+    /// this CPU has, 1 and 2 threads; shapes with one and three k blocks (k 576, 1536), row
+    /// counts through the decode cut (16 / 17) and off the 32-row strips, several runs of panels
+    /// (n 3072), two pairs on one output, a pair inside one panel and one across panel edges,
+    /// and A converted in two row batches.
+    #[test]
+    fn fused_equals_separate() {
+        use super::super::gemm_bf16::{matmul_dx_bf16_with, PackedBf16};
+        let mut rng = Rng::new(33);
+        let mut kernels = vec![Kernel::Portable];
+        if crate::backend::cpu::gemm_bf16::native_available() {
+            kernels.push(Kernel::Native);
+        }
+        if crate::backend::cpu::gemm_bf16::amx_available() {
+            kernels.push(Kernel::Amx);
+        }
+        // (m, k, n, pairs as (r, col0, n_out))
+        let cases: &[(usize, usize, usize, &[(usize, usize, usize)])] = &[
+            (70, 576, 960, &[(16, 0, 576), (16, 576, 192), (8, 768, 192)]),
+            (17, 1536, 576, &[(16, 0, 576)]),
+            (16, 576, 3072, &[(16, 0, 1536), (4, 1536, 1536)]),
+            (100, 96, 3072, &[(3, 5, 20), (16, 1000, 1100)]),
+            // A converted in two row batches (16 MiB / 6 KiB per row: 2720 rows, then 80)
+            (2800, 3072, 64, &[(8, 0, 64)]),
+        ];
+        for &(m, k, n, shape) in cases {
+            let x = rand(&mut rng, m * k);
+            let w = rand(&mut rng, n * k);
+            let bias = rand(&mut rng, n);
+            let dy = rand(&mut rng, m * n);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let ab: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, n_out)| (rand(&mut rng, r * k), rand(&mut rng, n_out * r))).collect();
+            let pairs: Vec<Pair> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| Pair { a, b, scale: 0.7, r, col0, n_out }).collect();
+            let g0: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, n_out)| (rand(&mut rng, r * k), rand(&mut rng, n_out * r))).collect();
+            for &kernel in &kernels {
+                for threads in [1, 2] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| {
+                        // separate
+                        let mut want = vec![0f32; m * n];
+                        matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut want, kernel, true);
+                        for p in &pairs {
+                            lora(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &mut want, p.col0, n);
+                        }
+                        let mut got = vec![f32::NAN; m * n];
+                        matmul_lora_with(&x, &pw, Some(&bias), m, k, n, &mut got, &pairs, kernel);
+                        assert!(got == want, "matmul_lora differs from matmul + lora at m {m} k {k} n {n} ({kernel:?}, {threads} threads)");
+
+                        let mut want_dx = vec![0f32; m * k];
+                        matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut want_dx, false, kernel, true);
+                        let mut want_g = g0.clone();
+                        for (p, (ga, gb)) in pairs.iter().zip(want_g.iter_mut()) {
+                            lora_bwd(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx));
+                        }
+                        let mut got_dx = vec![f32::NAN; m * k];
+                        let mut got_g = g0.clone();
+                        let mut gr: Vec<(&mut [f32], &mut [f32])> = got_g.iter_mut().map(|(a, b)| (&mut a[..], &mut b[..])).collect();
+                        matmul_dx_lora_with(&dy, &pw, m, n, k, &mut got_dx, &x, &pairs, &mut gr, kernel);
+                        assert!(got_dx == want_dx, "matmul_dx_lora's dx differs at m {m} k {k} n {n} ({kernel:?}, {threads} threads)");
+                        assert!(got_g == want_g, "matmul_dx_lora's dA/dB differ at m {m} k {k} n {n} ({kernel:?}, {threads} threads)");
+                        // and the sums are not vacuous: the deltas changed the outputs
+                        let mut plain = vec![0f32; m * n];
+                        matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut plain, kernel, true);
+                        for p in &pairs {
+                            let c = p.col0 + p.n_out / 2;
+                            assert!(plain[(m - 1) * n + c] != got[(m - 1) * n + c], "the pair at column {} left the last row unchanged", p.col0);
+                        }
+                    });
+                }
             }
         }
     }

@@ -20,7 +20,7 @@ pub mod sample;
 pub mod simd;
 pub mod swiglu;
 
-use super::{AdamWStep, AttnGeom, AttnSeq, Backend, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
+use super::{AdamWStep, AttnGeom, AttnSeq, Backend, LoraSlice, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
 use anyhow::{ensure, Result};
 use attention::CpuKv;
 pub use buf::CpuBuf;
@@ -219,6 +219,21 @@ impl Backend for CpuBackend {
         lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld);
         Ok(())
     }
+    fn matmul_lora(&self, x: &CpuBuf, w: &CpuBuf, bias: Option<&CpuBuf>, m: usize, k: usize, n: usize, out: &mut CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>]) -> Result<()> {
+        // fused on a one-tile bf16 weight (lora::matmul_lora); else the separate ops
+        let Some(pw) = w.bf16().and_then(|p| p.single()) else {
+            self.matmul(x, w, bias, m, k, n, out)?;
+            for p in pairs {
+                self.lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n)?;
+            }
+            return Ok(());
+        };
+        ensure!(pw.n() == n && pw.k() == k, "matmul_lora: bf16 weight [{}, {}] for a [{n}, {k}] product", pw.n(), pw.k());
+        ensure!(x.len() >= m * k && out.len() >= m * n && bias.is_none_or(|b| b.len() >= n), "matmul_lora: buffers too small");
+        let hp = host_pairs(pairs, k, n)?;
+        lora::matmul_lora(x, pw, bias.map(|b| b.as_slice()), m, k, n, out, &hp);
+        Ok(())
+    }
     fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         rope::rope_qkv(qkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, 1.0);
         Ok(())
@@ -332,6 +347,25 @@ impl TrainBackend for CpuBackend {
         }
         Ok(())
     }
+    fn matmul_dx_lora(&self, dy: &CpuBuf, w: &CpuBuf, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: &CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
+        ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
+        let Some(pw) = w.bf16().and_then(|p| p.single()) else {
+            self.matmul_dx(dy, w, m, n, k, dx, false)?;
+            for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
+                self.lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, Some(&mut *dx))?;
+            }
+            return Ok(());
+        };
+        ensure!(pw.n() == n && pw.k() == k, "matmul_dx_lora: bf16 weight [{}, {}] for [{n}, {k}]", pw.n(), pw.k());
+        ensure!(x.len() >= m * k && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: x, dy or dx smaller than [{m}, {k}], [{m}, {n}], [{m}, {k}]");
+        let hp = host_pairs(pairs, k, n)?;
+        for (p, (ga, gb)) in hp.iter().zip(grads.iter()) {
+            ensure!(ga.len() == p.r * k && gb.len() == p.n_out * p.r, "matmul_dx_lora: gradient buffers do not match A [{}, {k}], B [{}, {}]", p.r, p.n_out, p.r);
+        }
+        let mut g: Vec<(&mut [f32], &mut [f32])> = grads.iter_mut().map(|(a, b)| (a.as_mut_slice(), b.as_mut_slice())).collect();
+        lora::matmul_dx_lora(dy, pw, m, n, k, dx, x, &hp, &mut g);
+        Ok(())
+    }
     fn lora_bwd(
         &self,
         x: &CpuBuf,
@@ -398,4 +432,15 @@ fn check_seqs(seqs: &[DenseSeq], qkv_len: usize, width: usize) -> Result<()> {
         ensure!(s.row0 + s.len <= rows, "dense sequence rows {}..{} beyond the batch's {rows} rows", s.row0, s.row0 + s.len);
     }
     Ok(())
+}
+
+/// The pairs as host slices, checked against a product of `n` output columns over `k` inputs.
+fn host_pairs<'a>(pairs: &[LoraSlice<'a, CpuBuf>], k: usize, n: usize) -> Result<Vec<lora::Pair<'a>>> {
+    pairs
+        .iter()
+        .map(|p| {
+            ensure!(p.a.len() >= p.r * k && p.b.len() >= p.n_out * p.r && p.col0 + p.n_out <= n, "LoRA pair A [{}, {k}], B [{}, {}] at column {} does not fit a product [{n}, {k}]", p.r, p.n_out, p.r, p.col0);
+            Ok(lora::Pair { a: p.a.as_slice(), b: p.b.as_slice(), scale: p.scale, r: p.r, col0: p.col0, n_out: p.n_out })
+        })
+        .collect()
 }
