@@ -13,6 +13,9 @@
 //! and the partials added in order, so they do not depend on the thread count; each row's
 //! output and dx come from the same FMA chain whatever the row count, so they do not depend on
 //! how rows were batched either.
+//!
+//! With a bf16 weight the pairs are fused into the projection's GEMM (`matmul_lora`,
+//! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache.
 use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, Kernel, PackedBf16, Tail};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
