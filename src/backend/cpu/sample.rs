@@ -87,7 +87,7 @@ mod x512 {
     /// either way; NaN passes through (`vmaxpd`/`vminpd` return their second operand then).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn exp(x: __m512d) -> __m512d {
-        const LN2_HI: f64 = 6.931_471_803_691_238_16e-1;
+        const LN2_HI: f64 = 6.931_471_803_691_238e-1;
         const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
         let x = _mm512_min_pd(_mm512_set1_pd(710.0), _mm512_max_pd(_mm512_set1_pd(-750.0), x));
         let k = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_pd(x, _mm512_set1_pd(std::f64::consts::LOG2_E)));
