@@ -192,7 +192,7 @@ fn lora_products(c: &mut Criterion) {
         g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
         g.bench_function(format!("forward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
-        g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx))));
+        g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx), None)));
     }
     g.finish();
 }

@@ -92,7 +92,8 @@ fn lora_few(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: 
 /// The LoRA pair's gradients (`TrainBackend::lora_bwd`): `dA += duᵀ x`, `dB += scale·dy_sᵀ u`
 /// with `u = x Aᵀ`, `du = scale·dy_s B`, and `dx += du A` when `dx` is given (the pair is not
 /// merged into the weight its input gradient went through). `dy_s` = columns `col0..col0+n_out`
-/// of `dy`, rows of `ld`.
+/// of `dy`, rows of `ld`. With `keep_du`, du (`[m, r]`) is written there as well
+/// (`matmul_dx_lora` adds `du A` to dx as a tail of the `dy W` product instead).
 #[allow(clippy::too_many_arguments)]
 pub fn lora_bwd(
     x: &[f32],
@@ -109,33 +110,10 @@ pub fn lora_bwd(
     da: &mut [f32],
     db: &mut [f32],
     dx: Option<&mut [f32]>,
+    keep_du: Option<&mut [f32]>,
 ) {
-    if let Some(dx) = &dx {
-        assert!(dx.len() >= m * k, "lora_bwd: dx too small");
-    }
-    bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| SendPtr(v.as_mut_ptr())), None);
-}
-
-/// `lora_bwd` with dx = `dxp` (`[m, k]`, added to) and/or `du` = `keep` (`[m, r]`, written:
-/// `matmul_dx_lora` adds `du A` to dx as a tail of the `dy W` product instead).
-#[allow(clippy::too_many_arguments)]
-fn bwd(
-    x: &[f32],
-    a: &[f32],
-    b: &[f32],
-    scale: f32,
-    m: usize,
-    k: usize,
-    r: usize,
-    n_out: usize,
-    dy: &[f32],
-    col0: usize,
-    ld: usize,
-    da: &mut [f32],
-    db: &mut [f32],
-    dxp: Option<SendPtr<f32>>,
-    keep: Option<SendPtr<f32>>,
-) {
+    assert!(dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep_du.as_ref().is_none_or(|d| d.len() >= m * r), "lora_bwd: dx or du too small");
+    let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep_du.map(|v| SendPtr(v.as_mut_ptr())));
     assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && dy.len() >= m * ld && da.len() >= r * k && db.len() >= n_out * r);
     if m == 0 || r == 0 {
         return;
@@ -248,7 +226,7 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
     let mut kept: Vec<(Vec<f32>, &Pair)> = Vec::with_capacity(pairs.len());
     for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
         let mut du = vec![0f32; m * p.r];
-        bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, None, Some(SendPtr(du.as_mut_ptr())));
+        lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, None, Some(&mut du[..]));
         kept.push((du, p));
     }
     let tails: Vec<Tail> = kept
@@ -462,7 +440,7 @@ mod tests {
             assert!(untouched, "lora wrote outside its column slice at {m}x{k} r{r}");
             let (pa, pb, px) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * k));
             let (mut ga, mut gb, mut gx) = (pa.clone(), pb.clone(), px.clone());
-            lora_bwd(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx));
+            lora_bwd(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx), None);
             let minus = |g: &[f32], p: &[f32]| g.iter().zip(p).map(|(g, p)| g - p).collect::<Vec<f32>>();
             for (name, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
                 let e = rel(&g, &want);
@@ -547,7 +525,7 @@ mod tests {
                         matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut want_dx, false, kernel, true);
                         let mut want_g = g0.clone();
                         for (p, (ga, gb)) in pairs.iter().zip(want_g.iter_mut()) {
-                            lora_bwd(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx));
+                            lora_bwd(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx), None);
                         }
                         let mut got_dx = vec![f32::NAN; m * k];
                         let mut got_g = g0.clone();
@@ -587,7 +565,7 @@ mod tests {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
                 let (mut da, mut db, mut dx) = (vec![0f32; r * k], vec![0f32; n * r], vec![0f32; m * k]);
-                lora_bwd(&x, &a, &b, 0.5, m, k, r, n, &dy, 0, n, &mut da, &mut db, Some(&mut dx));
+                lora_bwd(&x, &a, &b, 0.5, m, k, r, n, &dy, 0, n, &mut da, &mut db, Some(&mut dx), None);
                 (da, db, dx)
             })
         };

@@ -387,7 +387,7 @@ impl TrainBackend for CpuBackend {
         ensure!(da.len() == r * k && db.len() == n_out * r, "lora_bwd: gradient buffers do not match A [{r}, {k}], B [{n_out}, {r}]");
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r, "lora_bwd: x, A or B smaller than [{m}, {k}], [{r}, {k}], [{n_out}, {r}]");
         ensure!(dx.as_ref().is_none_or(|d| d.len() >= m * k), "lora_bwd: dx smaller than [{m}, {k}]");
-        lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()));
+        lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()), None);
         Ok(())
     }
     fn head_grad(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize, g: &mut CpuBuf) -> Result<HeadOut> {
