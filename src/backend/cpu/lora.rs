@@ -477,7 +477,7 @@ mod tests {
     /// this CPU has, 1 and 2 threads; shapes with one and three k blocks (k 576, 1536), row
     /// counts through the decode cut (16 / 17) and off the 32-row strips, several runs of panels
     /// (n 3072), two pairs on one output, a pair inside one panel and one across panel edges,
-    /// and A converted in two row batches.
+    /// A converted in two row batches (forward and backward), an odd k and a partial last panel.
     #[test]
     fn fused_equals_separate() {
         use super::super::gemm_bf16::{matmul_dx_bf16_with, PackedBf16};
@@ -495,8 +495,13 @@ mod tests {
             (17, 1536, 576, &[(16, 0, 576)]),
             (16, 576, 3072, &[(16, 0, 1536), (4, 1536, 1536)]),
             (100, 96, 3072, &[(3, 5, 20), (16, 1000, 1100)]),
-            // A converted in two row batches (16 MiB / 6 KiB per row: 2720 rows, then 80)
+            // A converted in two row batches (16 MiB / 6 KiB per row: 2720 rows on AMX strips,
+            // 2724 on 12-row ones, then the rest), the forward's x, then the backward's dy
             (2800, 3072, 64, &[(8, 0, 64)]),
+            (2800, 64, 3072, &[(8, 3000, 72)]),
+            // odd k (a zero-padded last pair: AMX declines it), n off the 32-column panels, two
+            // pairs on the same columns 990..995 (their order matters)
+            (45, 97, 1000, &[(8, 990, 10), (4, 0, 995)]),
         ];
         for &(m, k, n, shape) in cases {
             let x = rand(&mut rng, m * k);

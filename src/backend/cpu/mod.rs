@@ -444,3 +444,61 @@ fn host_pairs<'a>(pairs: &[LoraSlice<'a, CpuBuf>], k: usize, n: usize) -> Result
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::rng::Rng;
+
+    fn rand(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.normal() as f32).collect()
+    }
+
+    /// The backend's fused ops give the separate ops' bits on every weight kind they route:
+    /// one-tile bf16 (fused), tiled bf16 (≥ 8192 rows: separate ops inside) and f32, at a
+    /// decode-sized and a prefill-sized row count; and a count mismatch is an error.
+    #[test]
+    fn fused_ops_equal_the_separate_ops() {
+        let mut rng = Rng::new(3);
+        for (dtype, n) in [(WeightDtype::Bf16, 1000usize), (WeightDtype::Bf16, 8200), (WeightDtype::F32, 1000)] {
+            let be = CpuBackend::with_weights(dtype);
+            let k = 72;
+            let w = be.upload_weight(rand(&mut rng, n * k), n, k).unwrap();
+            let bias = be.upload(&rand(&mut rng, n)).unwrap();
+            // (r, col0, n_out)
+            let shape = [(8usize, 0usize, 300usize), (4, 290, 700)];
+            let ab: Vec<(CpuBuf, CpuBuf)> = shape.iter().map(|&(r, _, no)| (be.upload(&rand(&mut rng, r * k)).unwrap(), be.upload(&rand(&mut rng, no * r)).unwrap())).collect();
+            let pairs: Vec<LoraSlice<CpuBuf>> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| LoraSlice { a, b, scale: 1.5, r, col0, n_out }).collect();
+            for m in [5usize, 40] {
+                let x = be.upload(&rand(&mut rng, m * k)).unwrap();
+                let dy = be.upload(&rand(&mut rng, m * n)).unwrap();
+                let mut want = be.zeros(m * n).unwrap();
+                be.matmul(&x, &w, Some(&bias), m, k, n, &mut want).unwrap();
+                for p in &pairs {
+                    be.lora(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &mut want, p.col0, n).unwrap();
+                }
+                let mut got = be.upload(&vec![f32::NAN; m * n]).unwrap();
+                be.matmul_lora(&x, &w, Some(&bias), m, k, n, &mut got, &pairs).unwrap();
+                assert!(got.as_slice() == want.as_slice(), "matmul_lora differs ({dtype:?}, n {n}, m {m})");
+
+                let g0: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, no)| (rand(&mut rng, r * k), rand(&mut rng, no * r))).collect();
+                let mut want_dx = be.zeros(m * k).unwrap();
+                be.matmul_dx(&dy, &w, m, n, k, &mut want_dx, false).unwrap();
+                let mut want_g: Vec<(CpuBuf, CpuBuf)> = g0.iter().map(|(a, b)| (be.upload(a).unwrap(), be.upload(b).unwrap())).collect();
+                for (p, (ga, gb)) in pairs.iter().zip(want_g.iter_mut()) {
+                    be.lora_bwd(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx)).unwrap();
+                }
+                let mut got_dx = be.upload(&vec![f32::NAN; m * k]).unwrap();
+                let mut got_g: Vec<(CpuBuf, CpuBuf)> = g0.iter().map(|(a, b)| (be.upload(a).unwrap(), be.upload(b).unwrap())).collect();
+                let mut gr: Vec<(&mut CpuBuf, &mut CpuBuf)> = got_g.iter_mut().map(|(a, b)| (a, b)).collect();
+                be.matmul_dx_lora(&dy, &w, m, n, k, &mut got_dx, &x, &pairs, &mut gr).unwrap();
+                assert!(got_dx.as_slice() == want_dx.as_slice(), "matmul_dx_lora's dx differs ({dtype:?}, n {n}, m {m})");
+                for ((ga, gb), (wa, wb)) in got_g.iter().zip(&want_g) {
+                    assert!(ga.as_slice() == wa.as_slice() && gb.as_slice() == wb.as_slice(), "matmul_dx_lora's gradients differ ({dtype:?}, n {n}, m {m})");
+                }
+                let mut one: Vec<(&mut CpuBuf, &mut CpuBuf)> = got_g.iter_mut().take(1).map(|(a, b)| (a, b)).collect();
+                assert!(be.matmul_dx_lora(&dy, &w, m, n, k, &mut got_dx, &x, &pairs, &mut one).is_err(), "two pairs with one gradient pair must be refused");
+            }
+        }
+    }
+}

@@ -151,6 +151,9 @@ mod tests {
             let mut xs: Vec<f64> = (0..200_000).map(|_| -rng.next_f64() * 760.0).collect();
             xs.extend((0..20_000).map(|_| rng.next_f64() * 40.0 - 20.0));
             xs.extend([0.0, -0.0, 1e-300, -1e-300, 709.7, 709.8, 710.0, 1e300, -708.39, -708.4, -745.13, -745.14, -745.2, -800.0, f64::NEG_INFINITY, f64::INFINITY, f64::NAN, f64::MIN_POSITIVE]);
+            // glibc's exp is within ~0.5 ulp of e^x, this one within ~0.9: 1 ulp apart at most;
+            // other libms guarantee less
+            let tol = if cfg!(target_env = "gnu") { 1 } else { 2 };
             let mut worst = 0u64;
             for c in xs.chunks(8) {
                 let mut v = [0f64; 8];
@@ -167,15 +170,18 @@ mod tests {
                     assert_eq!(g.is_infinite(), want.is_infinite(), "exp({x}) = {g}, libm {want}");
                     assert_eq!(g == 0.0, want == 0.0, "exp({x}) = {g}, libm {want}");
                     let ulps = (g.to_bits() as i64 - want.to_bits() as i64).unsigned_abs();
-                    assert!(ulps <= 1, "exp({x}) = {g:e}, libm {want:e}: {ulps} ulp apart");
+                    assert!(ulps <= tol, "exp({x}) = {g:e}, libm {want:e}: {ulps} ulp apart");
                     worst = worst.max(ulps);
                 }
             }
             eprintln!("worst: {worst} ulp");
+            return;
         }
+        eprintln!("exp_matches_libm: no AVX-512 here, nothing to compare (the sampler uses libm's exp)");
     }
 
-    /// `weights` (vector body and scalar tail) against the formula with libm's `exp`.
+    /// `weights` (vector body and scalar tail) against the formula with libm's `exp` (without
+    /// AVX-512 both are libm's: then it checks the scalar loop's indexing only).
     #[test]
     fn weights_match_the_formula() {
         let mut rng = crate::util::rng::Rng::new(9);
@@ -187,7 +193,7 @@ mod tests {
                 for (t, (&g, &xt)) in w.iter().zip(&x).enumerate() {
                     let want = ((xt - m) as f64 * inv_t).exp();
                     let ulps = (g.to_bits() as i64 - want.to_bits() as i64).unsigned_abs();
-                    assert!(ulps <= 1, "w[{t}] of {n} = {g:e}, formula {want:e}");
+                    assert!(ulps <= if cfg!(target_env = "gnu") { 1 } else { 2 }, "w[{t}] of {n} = {g:e}, formula {want:e}");
                 }
             }
         }
