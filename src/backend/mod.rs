@@ -176,6 +176,30 @@ pub struct LoraSlice<'a, Buf> {
     pub n_out: usize,
 }
 
+/// `Backend::matmul_lora` as the separate ops: `matmul`, then `lora` of each pair in order (the
+/// trait's default, and the CPU backend's path where it does not fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_lora_separate<B: Backend + ?Sized>(be: &B, x: &B::Buf, w: &B::Buf, bias: Option<&B::Buf>, m: usize, k: usize, n: usize, out: &mut B::Buf, pairs: &[LoraSlice<'_, B::Buf>]) -> Result<()> {
+    be.matmul(x, w, bias, m, k, n, out)?;
+    for p in pairs {
+        be.lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n)?;
+    }
+    Ok(())
+}
+
+/// `TrainBackend::matmul_dx_lora` as the separate ops: `matmul_dx` (dx overwritten), then
+/// `lora_bwd` of each pair in order with dx (the trait's default, and the CPU backend's path
+/// where it does not fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_dx_lora_separate<B: TrainBackend + ?Sized>(be: &B, dy: &B::Buf, w: &B::Buf, m: usize, n: usize, k: usize, dx: &mut B::Buf, x: &B::Buf, pairs: &[LoraSlice<'_, B::Buf>], grads: &mut [(&mut B::Buf, &mut B::Buf)]) -> Result<()> {
+    anyhow::ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
+    be.matmul_dx(dy, w, m, n, k, dx, false)?;
+    for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
+        be.lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, Some(&mut *dx))?;
+    }
+    Ok(())
+}
+
 pub trait Backend: Send + Sync {
     /// A flat array on the backend's device.
     type Buf: Send + Sync;
@@ -264,11 +288,7 @@ pub trait Backend: Send + Sync {
     /// GEMM does). The same result as the separate ops.
     #[allow(clippy::too_many_arguments)]
     fn matmul_lora(&self, x: &Self::Buf, w: &Self::Buf, bias: Option<&Self::Buf>, m: usize, k: usize, n: usize, out: &mut Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>]) -> Result<()> {
-        self.matmul(x, w, bias, m, k, n, out)?;
-        for p in pairs {
-            self.lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n)?;
-        }
-        Ok(())
+        matmul_lora_separate(self, x, w, bias, m, k, n, out, pairs)
     }
     /// Rotate the q and k parts of the fused `qkv [rows, qkv_dim]` in place (HF's rotate_half
     /// convention) at `positions[row]`, with `inv_freq` (`head_dim/2`).
@@ -368,12 +388,7 @@ pub trait TrainBackend: Backend {
     /// bf16 GEMM does). The same result as the separate ops.
     #[allow(clippy::too_many_arguments)]
     fn matmul_dx_lora(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, x: &Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>], grads: &mut [(&mut Self::Buf, &mut Self::Buf)]) -> Result<()> {
-        anyhow::ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
-        self.matmul_dx(dy, w, m, n, k, dx, false)?;
-        for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
-            self.lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, Some(&mut *dx))?;
-        }
-        Ok(())
+        matmul_dx_lora_separate(self, dy, w, m, n, k, dx, x, pairs, grads)
     }
     /// Backward of `Backend::lora` (`y[:, col0..col0+n_out] += scale·(x Aᵀ) Bᵀ`, `y` rows of `ld`):
     /// with `dy` the gradient of the whole `y` (rows of `ld`), accumulate

@@ -28,7 +28,7 @@
 //! The loss is supplied by the caller as a function of the response tokens' log-probabilities
 //! (and entropies) returning `∂loss/∂logp` per token (`rl::grpo` builds the GRPO one on this).
 use super::model::Model;
-use crate::backend::{DenseSeq, LoraSlice, TrainBackend};
+use crate::backend::{DenseSeq, TrainBackend};
 use crate::backend::Backend;
 use crate::model::lora::{Proj, ALL_PROJS};
 use crate::model::weights::HostTensor;
@@ -637,8 +637,8 @@ fn dx_lora<B: TrainBackend>(
     let mut slots: Vec<Option<&mut (B::Buf, B::Buf)>> = grads.iter_mut().map(|g| g.as_mut()).collect();
     let (mut pairs, mut gs) = (Vec::new(), Vec::new());
     for &(p, col0) in projs {
-        if let (Some((a, b, scale, r)), Some(g)) = (model.lora_pair(l, p), slots[p.index()].take()) {
-            pairs.push(LoraSlice { a, b, scale, r, col0, n_out: p.dims(&model.cfg).1 });
+        if let (Some(slice), Some(g)) = (model.lora_slice(l, p, col0), slots[p.index()].take()) {
+            pairs.push(slice);
             gs.push((&mut g.0, &mut g.1));
         }
     }

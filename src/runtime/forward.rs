@@ -249,12 +249,12 @@ impl<B: Backend> Model<B> {
     /// The adapter's pairs among `projs` (projection, its first column in the fused output) of
     /// `layer`, for `Backend::matmul_lora` / `TrainBackend::matmul_dx_lora`.
     pub(crate) fn lora_slices(&self, layer: usize, projs: &[(Proj, usize)]) -> Vec<LoraSlice<'_, B::Buf>> {
-        projs
-            .iter()
-            .filter_map(|&(p, col0)| {
-                let (a, b, scale, r) = self.lora_pair(layer, p)?;
-                Some(LoraSlice { a, b, scale, r, col0, n_out: p.dims(&self.cfg).1 })
-            })
-            .collect()
+        projs.iter().filter_map(|&(p, col0)| self.lora_slice(layer, p, col0)).collect()
+    }
+
+    /// The adapter's pair of (layer, proj), if any, on the columns from `col0`.
+    pub(crate) fn lora_slice(&self, layer: usize, p: Proj, col0: usize) -> Option<LoraSlice<'_, B::Buf>> {
+        let (a, b, scale, r) = self.lora_pair(layer, p)?;
+        Some(LoraSlice { a, b, scale, r, col0, n_out: p.dims(&self.cfg).1 })
     }
 }

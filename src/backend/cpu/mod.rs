@@ -222,11 +222,7 @@ impl Backend for CpuBackend {
     fn matmul_lora(&self, x: &CpuBuf, w: &CpuBuf, bias: Option<&CpuBuf>, m: usize, k: usize, n: usize, out: &mut CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>]) -> Result<()> {
         // fused on a one-tile bf16 weight (lora::matmul_lora); else the separate ops
         let Some(pw) = w.bf16().and_then(|p| p.single()) else {
-            self.matmul(x, w, bias, m, k, n, out)?;
-            for p in pairs {
-                self.lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n)?;
-            }
-            return Ok(());
+            return super::matmul_lora_separate(self, x, w, bias, m, k, n, out, pairs);
         };
         ensure!(pw.n() == n && pw.k() == k, "matmul_lora: bf16 weight [{}, {}] for a [{n}, {k}] product", pw.n(), pw.k());
         ensure!(x.len() >= m * k && out.len() >= m * n && bias.is_none_or(|b| b.len() >= n), "matmul_lora: buffers too small");
@@ -348,14 +344,10 @@ impl TrainBackend for CpuBackend {
         Ok(())
     }
     fn matmul_dx_lora(&self, dy: &CpuBuf, w: &CpuBuf, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: &CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
-        ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
         let Some(pw) = w.bf16().and_then(|p| p.single()) else {
-            self.matmul_dx(dy, w, m, n, k, dx, false)?;
-            for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
-                self.lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, Some(&mut *dx))?;
-            }
-            return Ok(());
+            return super::matmul_dx_lora_separate(self, dy, w, m, n, k, dx, x, pairs, grads);
         };
+        ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
         ensure!(pw.n() == n && pw.k() == k, "matmul_dx_lora: bf16 weight [{}, {}] for [{n}, {k}]", pw.n(), pw.k());
         ensure!(x.len() >= m * k && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: x, dy or dx smaller than [{m}, {k}], [{m}, {n}], [{m}, {k}]");
         let hp = host_pairs(pairs, k, n)?;
