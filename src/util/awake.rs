@@ -106,7 +106,7 @@ mod tests {
     use super::*;
     use rayon::prelude::*;
 
-    /// The loop's idle exit in the tests that watch it run (the production value, 1 ms, is
+    /// The loop's idle exit in the tests that watch it run (the production value, `IDLE_EXIT`, is
     /// shorter than a loaded machine's scheduling gaps).
     const LONG: Duration = Duration::from_secs(60);
 
