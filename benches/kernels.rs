@@ -7,7 +7,7 @@
 //! `cargo bench --bench kernels` (add a filter, e.g. `-- gemm`). Whole-model figures against
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use infomem_engine::backend::cpu::gemm_bf16::{matmul_bf16, matmul_bf16_with, matmul_dx_bf16, Kernel, PackedBf16};
+use infomem_engine::backend::cpu::gemm_bf16::{self, matmul_bf16, matmul_bf16_with, matmul_dx_bf16, matmul_dx_bf16_with, Kernel, PackedBf16};
 use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend, WeightDtype};
 use infomem_engine::backend::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
@@ -139,6 +139,11 @@ fn gemm_bf16(c: &mut Criterion) {
         if n == 960 {
             // the fallback for CPUs without AVX512_BF16 (same bits, f32 FMAs)
             g.bench_function(format!("bf16 portable x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, Kernel::Portable, true)));
+            if gemm_bf16::avx2_available() {
+                // what a CPU without AVX512_BF16 runs (same bits, f32 FMAs on widened bf16)
+                g.bench_function(format!("bf16 AVX2 x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, Kernel::Avx2, true)));
+                g.bench_function(format!("bf16 AVX2 dy·W {m}x{n}x{k}"), |b| b.iter(|| matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut dx, false, Kernel::Avx2, true)));
+            }
         }
     }
     g.finish();
@@ -217,8 +222,14 @@ fn machine(c: &mut Criterion) {
             g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 4) as u64)); // FLOP: 16 lanes × 2 products × 2
             g.bench_function(format!("vdpbf16ps peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::bf16(ITERS)) })));
         }
-        g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 2) as u64));
-        g.bench_function(format!("f32 FMA peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma(ITERS)) })));
+        if is_x86_feature_detected!("avx512f") {
+            g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 2) as u64));
+            g.bench_function(format!("f32 FMA peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma(ITERS)) })));
+        } else {
+            // a CPU without AVX-512 (the f32 GEMM and the bf16 fallback then run 8-lane FMAs)
+            g.throughput(Throughput::Elements((threads * ITERS * peak::ACC_AVX2 * 8 * 2) as u64));
+            g.bench_function(format!("f32 FMA peak (AVX2), {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma_avx2(ITERS)) })));
+        }
     }
     g.finish();
 }
@@ -253,6 +264,25 @@ mod peak {
             }
         }
         acc.iter().fold(0.0, |s, &a| s + _mm512_reduce_add_ps(a))
+    }
+
+    /// 12 of the 16 ymm registers: more than latency × throughput (4–5 cycles × 2 per cycle).
+    pub const ACC_AVX2: usize = 12;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma_avx2(iters: usize) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); ACC_AVX2];
+        let (w, x) = (_mm256_set1_ps(1.0), _mm256_set1_ps(1.0 / 128.0));
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm256_fmadd_ps(w, x, *a);
+            }
+        }
+        let mut lanes = [0f32; 8];
+        acc.iter().fold(0.0, |s, &a| {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), a);
+            s + lanes.iter().sum::<f32>()
+        })
     }
 }
 

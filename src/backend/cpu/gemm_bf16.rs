@@ -68,8 +68,28 @@
 //! vdpbf16ps 17–29; read bandwidth 23): still faster than f32 per product (half the bytes), but
 //! below `vdpbf16ps` — software prefetch did not help; this is where the AMX path has room left.
 //!
-//! **Portable path** (no AVX512_BF16, `Kernel::Portable`, or `INFOMEM_BF16_PORTABLE=1`): the
-//! same driver and packed data; each pair row of a panel is widened to f32 (denormals to zero)
+//! **Without AVX512_BF16** (`Kernel::Avx2`: what `Auto` runs on such a CPU, e.g. AMD Zen 2/3
+//! or Intel client cores; `INFOMEM_BF16_PORTABLE=1` forces it where `vdpbf16ps` exists): the same
+//! driver and packed data. A is converted to f32 values rounded to bf16 (two words per pair, so
+//! its broadcasts are plain loads), with a flag per row; each pair row of a panel is widened to
+//! f32 by a shift and a mask, and the `vdpbf16ps` steps run as `vfmadd231ps` on 4 rows × 16
+//! columns (1 row × 32 for a single row): 8 accumulators, 4 widened weight vectors and 2
+//! broadcasts of the 16 ymm registers. Plain FMAs are the native steps whenever no operand is
+//! tiny (`TINY_EXP`: with every nonzero operand ≥ 2⁻⁵⁶ every partial sum is a multiple of
+//! 2⁻¹²⁶, so nothing is ever flushed or read as zero); a weight matrix or a 12-row strip holding a
+//! tiny operand takes the portable steps below, so the results are the native bits either way
+//! (tested on this path with the same data, tiny data in x alone, in w alone and in both, and
+//! random bit patterns). Measured on a 2-core AMD EPYC (Zen 3: AVX2, no AVX-512;
+//! `cargo bench --bench kernels -- "bf16"`, a shared machine): 4096-row products 133–143 GFLOP/s
+//! (f32 there, the `gemm` crate: 130–160; the portable steps: 31); decode with 1 row streams
+//! 14–24 GiB/s of bf16 weights (f32: 17–21 GiB/s of twice the bytes), with 8 rows 7.5–10.5 (f32:
+//! 14–17, the same time per product): 8 rows × 32 columns would need 32 accumulators, so a panel
+//! is read in 4 passes (the first from memory, prefetched 6 KiB ahead into L2) at the FMA rate.
+//! So on such a CPU bf16 weights run at about the f32 speed (the model's step: README) with half
+//! the weight memory, where the portable steps alone ran 2–5× slower than f32.
+//!
+//! **Portable steps** (`Kernel::Portable`, a tiny strip of the AVX2 kernel, a CPU without AVX2):
+//! the same driver and packed data; each pair row of a panel is widened to f32 (denormals to zero)
 //! and the same two FMAs per pair run in f32 lanes, the flush as a compare-and-select. One case
 //! needs more: `vdpbf16ps` calls a result denormal after rounding it to 24 bits with an unbounded
 //! exponent, so an exact sum in (2⁻¹²⁶ − 2⁻¹⁵⁰, 2⁻¹²⁶ − 2⁻¹⁵¹] is flushed though an f32 FMA rounds
@@ -78,8 +98,8 @@
 //! significant bits) or the smaller operand is under 2⁻²⁸ of the larger, an f32 value that both
 //! the exact and the f64 sum then round to. The results are the native bits (checked on random
 //! data, tiny data, random bit patterns), NaN payloads aside (which NaN propagates is not
-//! reproduced; where NaNs appear is). ~25× slower than `vdpbf16ps` (39 GFLOP/s on 2 threads): a
-//! correctness path; without AVX512_BF16 the f32 weights are faster.
+//! reproduced; where NaNs appear is). ~25× slower than `vdpbf16ps` (39 GFLOP/s on 2 threads; 31
+//! on the Zen 3): the reference the other kernels are tested against, and the rare tiny strip.
 use super::matmul::SendPtr;
 use half::bf16;
 use rayon::prelude::*;
@@ -135,10 +155,28 @@ fn bf16_daz(h: u16) -> f32 {
     f32::from_bits(if b & 0x7f80_0000 == 0 { b & 0x8000_0000 } else { b })
 }
 
+/// The smallest biased exponent (2⁻⁵⁶) a nonzero operand may have for the AVX2 kernel's plain
+/// FMAs to give the `vdpbf16ps` bits. With every nonzero x and w at least 2⁻⁵⁶ in magnitude (8
+/// significant bits each), every product is an exact multiple of 2⁻¹²⁶, and so is every partial
+/// sum: +0 is, and an FMA's rounded result of a multiple of 2⁻¹²⁶ either is that multiple (below
+/// 2⁻¹⁰², where 24 bits hold it exactly) or lies on a grid coarser than 2⁻¹²⁶. A nonzero multiple
+/// of 2⁻¹²⁶ is a normal f32, so no sum is ever flushed, no operand is a denormal, and the FMA's
+/// rounding is `vdpbf16ps`'s. Operands below that (rare in a model: a weight under 10⁻¹⁷, an
+/// activation or gradient that small) send their strip to the portable steps.
+const TINY_EXP: u16 = 71;
+
+/// A nonzero bf16 under 2⁻⁵⁶ in magnitude (a denormal included): see `TINY_EXP`.
+#[inline(always)]
+fn bf16_tiny(h: u16) -> bool {
+    let mag = h & 0x7fff;
+    mag != 0 && mag < TINY_EXP << 7
+}
+
 /// Which microkernel computes the products (the results are the same bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
-    /// `vdpbf16ps` when the CPU has it and `INFOMEM_BF16_PORTABLE` is unset (or "0"), else portable.
+    /// `vdpbf16ps` when the CPU has it and `INFOMEM_BF16_PORTABLE` is unset (or "0"), else
+    /// `Avx2` (or `Portable` without AVX2+FMA).
     Auto,
     /// `vdpbf16ps`; panics without AVX512_BF16.
     Native,
@@ -147,6 +185,10 @@ pub enum Kernel {
     Amx,
     /// f32 FMAs emulating `vdpbf16ps` (any CPU).
     Portable,
+    /// AVX2+FMA: the `vdpbf16ps` steps as plain f32 FMAs on widened bf16, for every strip whose
+    /// operands cannot reach the denormal range (`TINY_EXP`), else the portable steps; panics
+    /// without AVX2+FMA.
+    Avx2,
 }
 
 /// Whether this CPU runs the `vdpbf16ps` kernel.
@@ -158,6 +200,33 @@ pub fn native_available() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+/// Whether this CPU runs the AVX2 kernel (AVX2 and FMA).
+pub fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::simd::has_avx2_fma()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// What `Kernel::Auto` runs on this machine, in words (for the backend's name).
+pub fn auto_kernel() -> &'static str {
+    if native_available() && !forced_portable() {
+        if amx_available() {
+            "AMX tiles (vdpbf16ps where a reduction is not a multiple of 32)"
+        } else {
+            "vdpbf16ps"
+        }
+    } else if avx2_available() {
+        "AVX2 FMAs on widened bf16: no AVX512_BF16"
+    } else {
+        "portable kernel: no AVX512_BF16, no AVX2"
     }
 }
 
@@ -174,6 +243,7 @@ fn forced_portable() -> bool {
 enum Micro {
     Amx,
     Avx512,
+    Avx2,
     Portable,
 }
 
@@ -188,7 +258,12 @@ impl Kernel {
                     Micro::Avx512
                 }
             }
+            Kernel::Auto if avx2_available() => Micro::Avx2,
             Kernel::Auto | Kernel::Portable => Micro::Portable,
+            Kernel::Avx2 => {
+                assert!(avx2_available(), "gemm_bf16: Kernel::Avx2 needs AVX2 and FMA, which this CPU lacks");
+                Micro::Avx2
+            }
             Kernel::Native => {
                 assert!(native_available(), "gemm_bf16: Kernel::Native needs AVX512_BF16, which this CPU lacks");
                 Micro::Avx512
@@ -257,6 +332,8 @@ pub struct PackedBf16 {
     /// ⌈n/NR⌉
     panels: usize,
     data: Vec<Line>,
+    /// some weight is `bf16_tiny` (the AVX2 kernel then takes the portable steps)
+    tiny: bool,
 }
 
 impl PackedBf16 {
@@ -277,7 +354,7 @@ impl PackedBf16 {
         let kc = k_block_pairs(pairs);
         let panels = n.div_ceil(NR);
         let mut data = alloc_lines(panels * pairs * NR / 16);
-        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Vec::new() };
+        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Vec::new(), tiny: false };
         let dst = SendPtr(data.as_mut_ptr() as *mut u32);
         let fill = |pn: usize| {
             for b in 0..me.blocks() {
@@ -299,6 +376,7 @@ impl PackedBf16 {
         } else {
             (0..panels).for_each(fill);
         }
+        me.tiny = data.iter().any(|l| l.0.iter().any(|&w| bf16_tiny(w as u16) | bf16_tiny((w >> 16) as u16)));
         me.data = data;
         me
     }
@@ -532,22 +610,46 @@ struct Job<'a> {
 thread_local! {
     /// The calling thread's A converted to bf16 pairs (reused across calls).
     static CONVERTED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// The AVX2 kernel's per-row flags of the calling thread's converted A: a `bf16_tiny` value.
+    static TINY_ROWS: RefCell<Vec<bool>> = const { RefCell::new(Vec::new()) };
     /// A task thread's repacked panels of `dy W`.
     static REPACK: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Job<'_> {
+    /// Words per row of converted A: a pair word each, or for the AVX2 kernel (`wide`) both
+    /// values of a pair as f32 (rounded to bf16), so its broadcasts are plain loads.
+    fn lda(&self) -> usize {
+        if self.micro == Micro::Avx2 {
+            2 * self.pairs
+        } else {
+            self.pairs
+        }
+    }
+
+    fn weight(&self) -> &PackedBf16 {
+        match self.src {
+            Source::Forward(w) | Source::Transposed(w) => w,
+        }
+    }
+
     fn run(&self, parallel: bool) {
         let threads = if parallel && self.m * self.cols * self.red >= 1 << 16 { rayon::current_num_threads() } else { 1 };
         // A is converted once per call, in batches of rows of at most CONVERTED_BYTES. The AMX
         // kernel reads strips of AMX_MR rows: the batch's last strip is padded with zero rows.
         let mr = if self.micro == Micro::Amx { AMX_MR } else { MR };
-        let batch = self.m.min((CONVERTED_BYTES / (self.pairs * 4) / mr).max(1) * mr);
+        let (lda, wide) = (self.lda(), self.micro == Micro::Avx2);
+        let batch = self.m.min((CONVERTED_BYTES / (lda * 4) / mr).max(1) * mr);
         let mut conv = CONVERTED.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        if conv.len() < batch.next_multiple_of(mr) * self.pairs {
-            conv.resize(batch.next_multiple_of(mr) * self.pairs, 0); // grown only: every row used is written first
+        if conv.len() < batch.next_multiple_of(mr) * lda {
+            conv.resize(batch.next_multiple_of(mr) * lda, 0); // grown only: every row used is written first
+        }
+        let mut tiny = if wide { TINY_ROWS.with(|s| std::mem::take(&mut *s.borrow_mut())) } else { Vec::new() };
+        if tiny.len() < batch {
+            tiny.resize(batch, false);
         }
         let cp = SendPtr(conv.as_mut_ptr());
+        let tp = SendPtr(tiny.as_mut_ptr());
         for rb in (0..self.m).step_by(batch) {
             let rows = batch.min(self.m - rb);
             let convert = |piece: usize| {
@@ -555,7 +657,11 @@ impl Job<'_> {
                 // Safety: rows rb+i0..rb+i1 of A exist; pieces write disjoint rows of `conv`.
                 unsafe {
                     let rows_f32 = self.a.get().add((rb + i0) * self.red);
-                    convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
+                    if wide {
+                        convert_wide(rows_f32, self.red, i1 - i0, cp.get().add(i0 * lda) as *mut f32, tp.get().add(i0));
+                    } else {
+                        convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
+                    }
                     // the rows are in cache now; tails' pointers cover [m, r] (the caller's contract)
                     for t in self.tails {
                         if let Some(at) = t.at {
@@ -573,13 +679,17 @@ impl Job<'_> {
             if mr == AMX_MR {
                 conv[rows * self.pairs..rows.next_multiple_of(mr) * self.pairs].fill(0);
             }
-            self.run_rows(rb, rows, cp.get(), threads, mr);
+            self.run_rows(rb, rows, cp.get(), if wide { tp.get() } else { std::ptr::null_mut() }, threads, mr);
         }
         CONVERTED.with(|s| *s.borrow_mut() = conv);
+        if wide {
+            TINY_ROWS.with(|s| *s.borrow_mut() = tiny);
+        }
     }
 
-    /// Rows `rb..rb+rows`, converted at `conv` (row stride `pairs`), split into tasks.
-    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, threads: usize, mr: usize) {
+    /// Rows `rb..rb+rows`, converted at `conv` (row stride `lda()`, their tiny flags at `tiny`
+    /// for the AVX2 kernel, else null), split into tasks.
+    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, tiny: *const bool, threads: usize, mr: usize) {
         // Columns: runs of panels whose k block fits CHUNK_BYTES, equal-sized; decode (one strip)
         // splits into ~4 runs per thread for balance.
         let cap = (CHUNK_BYTES / (self.kc * NR * 4)).max(1);
@@ -602,13 +712,15 @@ impl Job<'_> {
         let per_group = strips.div_ceil(groups) * mr;
         let groups = rows.div_ceil(per_group);
         let conv = SendPtr(conv as *mut u32);
+        let tiny = SendPtr(tiny as *mut bool);
+        let lda = self.lda();
         let task = |t: usize| {
             let (ci, gi) = (t % chunks, t / chunks);
             let (p0, p1) = (ci * per_chunk, ((ci + 1) * per_chunk).min(self.panels));
             let (r0, r1) = (gi * per_group, ((gi + 1) * per_group).min(rows));
             // Safety: tasks write disjoint (row range × column run) tiles of C; every extent was
             // checked against the buffers by the public entry points.
-            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * self.pairs)) }
+            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), if tiny.get().is_null() { tiny.get() } else { tiny.get().add(r0) }) }
         };
         let tasks = chunks * groups;
         if threads > 1 && tasks > 1 {
@@ -618,8 +730,9 @@ impl Job<'_> {
         }
     }
 
-    /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `pairs`), every k block.
-    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
+    /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `lda()`; the AVX2 kernel's
+    /// row flags at `tiny`), every k block.
+    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32, tiny: *const bool) {
         let mut repack = Vec::new();
         if let Source::Transposed(_) = self.src {
             repack = REPACK.with(|s| std::mem::take(&mut *s.borrow_mut()));
@@ -648,15 +761,20 @@ impl Job<'_> {
                 self.block_amx(b, blocks, q0, kb, panels, p0, p1, r0, r1, a);
                 continue;
             }
+            let (lda, wide) = (self.lda(), self.micro == Micro::Avx2);
             let mut i = r0;
             while i < r1 {
                 let rows = MR.min(r1 - i);
+                // the AVX2 kernel's plain FMAs only where no operand is tiny (`TINY_EXP`)
+                let exact = wide && (self.weight().tiny || (0..rows).any(|r| *tiny.add(i - r0 + r)));
                 let mut pn = p0;
                 while pn < p1 {
                     let j0 = pn * NR;
                     let t = Tile {
-                        a: a.add((i - r0) * self.pairs + q0),
-                        lda: self.pairs,
+                        a: a.add((i - r0) * lda + if wide { 2 * q0 } else { q0 }),
+                        lda,
+                        wide,
+                        exact,
                         b: panels.add((pn - p0) * kb * NR),
                         pstride: kb * NR,
                         kb,
@@ -667,7 +785,7 @@ impl Job<'_> {
                         bias: if b + 1 == blocks && !self.bias.get().is_null() { self.bias.get().add(j0) } else { std::ptr::null() },
                         first: i == r0,
                     };
-                    pn += t.run(rows, p1 - pn, self.micro == Micro::Avx512);
+                    pn += t.run(rows, p1 - pn, self.micro);
                 }
                 if b + 1 == blocks {
                     self.tails_at(i, rows, p0, p1);
@@ -773,6 +891,28 @@ unsafe fn convert_strip(a: *const f32, red: usize, rows: usize, q0: usize, kb: u
     }
 }
 
+/// Rows `0..rows` of A (row stride `red`) rounded to bf16 and written as f32 values, the AVX2
+/// kernel's layout (`dst[r·2p + i]`, p = ⌈red/2⌉ pairs, an odd reduction's pad zero); `tiny[r]`
+/// says whether row r holds a `bf16_tiny` value.
+unsafe fn convert_wide(a: *const f32, red: usize, rows: usize, dst: *mut f32, tiny: *mut bool) {
+    let lda = 2 * red.div_ceil(2);
+    for r in 0..rows {
+        let src = std::slice::from_raw_parts(a.add(r * red), red);
+        let d = std::slice::from_raw_parts_mut(dst.add(r * lda) as *mut u32, lda);
+        let mut any = 0u32;
+        for (o, &x) in d.iter_mut().zip(src) {
+            let h = f32_to_bf16_bits(x);
+            *o = (h as u32) << 16;
+            // `bf16_tiny(h)` as one compare (0 wraps around), so the loop vectorizes
+            any |= (((h & 0x7fff) as u32).wrapping_sub(1) < ((TINY_EXP as u32) << 7) - 1) as u32;
+        }
+        if red % 2 == 1 {
+            d[red] = 0;
+        }
+        *tiny.add(r) = any != 0;
+    }
+}
+
 /// The `dy W` panels: output panels `p0..p1` (W's columns `32P..32P+32`) × pairs of W's rows
 /// `t0..t0+kb`, in the forward panel format, into `dst` (`(p1 − p0)·kb·NR` words). Word (P, t, c)
 /// holds `W[2t][32P+c]` low and `W[2t+1][32P+c]` high, zero past n or k.
@@ -814,9 +954,13 @@ unsafe fn repack_dx(w: &PackedBf16, p0: usize, p1: usize, t0: usize, kb: usize, 
 
 /// One microkernel call: `rows` ≤ MR rows of converted A against 1, 2 or 4 panels.
 struct Tile {
-    /// pair words, row stride `lda`
+    /// pair words, row stride `lda` (`wide`: two f32 words per pair)
     a: *const u32,
     lda: usize,
+    /// A as f32 values (the AVX2 kernel's layout) rather than pair words
+    wide: bool,
+    /// an operand of this strip is tiny (`TINY_EXP`): the AVX2 kernel takes the portable steps
+    exact: bool,
     /// first panel (pair-major rows of NR words); panel p at `b + p·pstride`
     b: *const u32,
     pstride: usize,
@@ -836,7 +980,12 @@ struct Tile {
 impl Tile {
     /// Runs the widest call for `rows` (4 panels for 1–2 rows, 2 for 3–4, else 1) that `avail`
     /// panels allow; returns the panels done.
-    unsafe fn run(&self, rows: usize, avail: usize, native: bool) -> usize {
+    unsafe fn run(&self, rows: usize, avail: usize, micro: Micro) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if micro == Micro::Avx2 && !self.exact {
+            avx2::panel(self, rows);
+            return 1;
+        }
         let want = if rows <= 2 {
             4
         } else if rows <= 4 {
@@ -852,7 +1001,7 @@ impl Tile {
             1
         };
         #[cfg(target_arch = "x86_64")]
-        if native {
+        if micro == Micro::Avx512 {
             // A task's first strip streams its panels from memory: with one or two panel streams
             // (≥ 3 rows) software prefetch 4 KiB ahead helps (decode with 8 rows: +15–25 %);
             // four streams (1–2 rows) keep the hardware prefetchers busy enough.
@@ -863,7 +1012,6 @@ impl Tile {
             }
             return p;
         }
-        let _ = native;
         for q in 0..p {
             self.portable(rows, q);
         }
@@ -884,6 +1032,18 @@ impl Tile {
         *c = v;
     }
 
+    /// Row r's pair q as (even, odd) bf16 bits, in either layout of A.
+    #[inline(always)]
+    unsafe fn x_pair(&self, r: usize, q: usize) -> (u16, u16) {
+        if self.wide {
+            let x = self.a.add(r * self.lda + 2 * q);
+            ((*x >> 16) as u16, (*x.add(1) >> 16) as u16)
+        } else {
+            let xw = *self.a.add(r * self.lda + q);
+            (xw as u16, (xw >> 16) as u16)
+        }
+    }
+
     /// Panel `p` of this call with f32 FMAs: the `vdpbf16ps` steps, see the module doc.
     unsafe fn portable(&self, rows: usize, p: usize) {
         let b = self.b.add(p * self.pstride);
@@ -897,8 +1057,8 @@ impl Tile {
                 wo[c] = bf16_daz((wq[c] >> 16) as u16);
             }
             for (r, ar) in acc.iter_mut().enumerate().take(rows) {
-                let xw = *self.a.add(r * self.lda + q);
-                let (xe, xo) = (bf16_daz(xw as u16), bf16_daz((xw >> 16) as u16));
+                let (xe, xo) = self.x_pair(r, q);
+                let (xe, xo) = (bf16_daz(xe), bf16_daz(xo));
                 for c in 0..NR {
                     let (s, e1) = step_f32(ar[c], xo, wo[c]);
                     let (s, e2) = step_f32(s, xe, we[c]);
@@ -913,9 +1073,9 @@ impl Tile {
                 for (c, a) in ar.iter_mut().enumerate() {
                     let mut s = 0f32;
                     for q in 0..self.kb {
-                        let (xw, ww) = (*self.a.add(r * self.lda + q), *b.add(q * NR + c));
-                        s = step_exact(s, bf16_daz((xw >> 16) as u16), bf16_daz((ww >> 16) as u16));
-                        s = step_exact(s, bf16_daz(xw as u16), bf16_daz(ww as u16));
+                        let ((xe, xo), ww) = (self.x_pair(r, q), *b.add(q * NR + c));
+                        s = step_exact(s, bf16_daz(xo), bf16_daz((ww >> 16) as u16));
+                        s = step_exact(s, bf16_daz(xe), bf16_daz(ww as u16));
                     }
                     *a = s;
                 }
@@ -1207,6 +1367,103 @@ mod avx512 {
     }
 }
 
+/// The AVX2 kernel (no AVX512_BF16): each pair row of a panel widened to f32 (shift / mask) and
+/// the `vdpbf16ps` steps as `vfmadd231ps`, on strips whose operands pass `TINY_EXP` (then these
+/// FMAs are the native steps, see there). 16 ymm registers: 4 rows × 16 columns (8 accumulators,
+/// 4 widened weight vectors reused by the 4 rows, 2 broadcasts), or 1 row × 32 columns.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Tile, NR};
+    use std::arch::x86_64::*;
+
+    /// `rows` ≤ MR rows × one panel.
+    pub unsafe fn panel(t: &Tile, rows: usize) {
+        if rows == 1 {
+            kernel::<1, 4>(t, 0, 0);
+            return;
+        }
+        for c0 in [0, 16] {
+            if c0 >= t.cols {
+                break;
+            }
+            let mut r = 0;
+            while r < rows {
+                match rows - r {
+                    1 => kernel::<1, 2>(t, r, c0),
+                    2 => kernel::<2, 2>(t, r, c0),
+                    3 => kernel::<3, 2>(t, r, c0),
+                    _ => kernel::<4, 2>(t, r, c0),
+                }
+                r += 4;
+            }
+        }
+    }
+
+    /// Rows `r0..r0+R` × columns `c0..c0+8V` of the panel: per pair V words of weights widened to
+    /// 2V f32 vectors; per row a broadcast of each half of its pair and 2V FMAs, odd first.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn kernel<const R: usize, const V: usize>(t: &Tile, r0: usize, c0: usize) {
+        let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+        let mut acc = [[_mm256_setzero_ps(); V]; R];
+        let a = (t.a as *const f32).add(r0 * t.lda);
+        let b = t.b.add(c0);
+        // The task's first pass over a panel streams it from memory: prefetch both lines of the
+        // pair row 6 KiB ahead into L2 (past the panel's end that is the next panel; past the
+        // data, only a hint). Decode with 8 rows, `cargo bench --bench kernels -- "bf16 decode"`:
+        // 4.9–6.1 → 7.5–8.5 GiB/s back to back (48 or 64 pairs ahead; 32, 96, 128 less; into
+        // L1 less).
+        const PF_PAIRS: usize = 48;
+        let pf = t.first && r0 == 0 && c0 == 0;
+        for q in 0..t.kb {
+            if pf {
+                let p = t.b.wrapping_add((q + PF_PAIRS) * NR);
+                _mm_prefetch::<_MM_HINT_T1>(p as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(16) as *const i8);
+            }
+            let mut we = [_mm256_setzero_ps(); V];
+            let mut wo = [_mm256_setzero_ps(); V];
+            for v in 0..V {
+                let w = _mm256_loadu_si256(b.add(q * NR + 8 * v) as *const __m256i);
+                we[v] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                wo[v] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+            }
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let xe = _mm256_broadcast_ss(&*a.add(r * t.lda + 2 * q));
+                let xo = _mm256_broadcast_ss(&*a.add(r * t.lda + 2 * q + 1));
+                for v in 0..V {
+                    ar[v] = _mm256_fmadd_ps(xo, wo[v], ar[v]);
+                    ar[v] = _mm256_fmadd_ps(xe, we[v], ar[v]);
+                }
+            }
+        }
+        for (r, ar) in acc.iter().enumerate() {
+            let cr = t.c.add((r0 + r) * t.ldc);
+            for (v, &s) in ar.iter().enumerate() {
+                let off = c0 + 8 * v;
+                if off >= t.cols {
+                    break;
+                }
+                if t.cols - off >= 8 {
+                    let mut s = s;
+                    if !t.overwrite {
+                        s = _mm256_add_ps(_mm256_loadu_ps(cr.add(off)), s);
+                    }
+                    if !t.bias.is_null() {
+                        s = _mm256_add_ps(s, _mm256_loadu_ps(t.bias.add(off)));
+                    }
+                    _mm256_storeu_ps(cr.add(off), s);
+                } else {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+                    for (l, &x) in lanes.iter().enumerate().take(t.cols - off) {
+                        t.store(r0 + r, off + l, x);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1215,12 +1472,17 @@ mod tests {
     const U: f64 = 1.0 / (1u64 << 24) as f64; // unit roundoff of f32
 
     fn kernels() -> Vec<Kernel> {
+        let mut v = vec![];
         if native_available() {
-            vec![Kernel::Native, Kernel::Portable]
+            v.push(Kernel::Native);
         } else {
-            eprintln!("note: no AVX512_BF16 on this CPU, testing the portable kernel only");
-            vec![Kernel::Portable]
+            eprintln!("note: no AVX512_BF16 on this CPU, the vdpbf16ps kernel is not tested");
         }
+        if avx2_available() {
+            v.push(Kernel::Avx2);
+        }
+        v.push(Kernel::Portable);
+        v
     }
 
     /// `kernels()` and, where this machine allows it, AMX: checked against the f64 bounds and for
@@ -1300,6 +1562,27 @@ mod tests {
                 assert_eq!(a[pairs - 1] >> 16, 0);
             }
         }
+        // the AVX2 kernel's layout: the same bits as f32 values, a zero pad, the tiny flags
+        // (nonzero and under 2⁻⁵⁶, either sign; zero, 2⁻⁵⁶ itself, inf and NaN are not tiny)
+        for (h, t) in [(0u16, false), (0x8000, false), (0x0001, true), (0x8001, true), (0x237f, true), (0xa37f, true), (0x2380, false), (0xa380, false), (0x3f80, false), (0x7f80, false), (0x7fc0, false)] {
+            assert_eq!(bf16_tiny(h), t, "{h:#06x}");
+        }
+        let xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let (rows, red) = (3, 67);
+        let mut flagged = 0;
+        for chunk in xs.chunks_exact(rows * red).take(20_000) {
+            let (mut d, mut tiny) = (vec![7f32; rows * (red + 1)], [false; 3]);
+            unsafe { convert_wide(chunk.as_ptr(), red, rows, d.as_mut_ptr(), tiny.as_mut_ptr()) };
+            for r in 0..rows {
+                let want: Vec<u16> = chunk[r * red..(r + 1) * red].iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+                let got = &d[r * (red + 1)..(r + 1) * (red + 1)];
+                assert!(got[..red].iter().zip(&want).all(|(g, &w)| g.to_bits() == (w as u32) << 16));
+                assert_eq!(got[red].to_bits(), 0);
+                assert_eq!(tiny[r], want.iter().any(|&h| bf16_tiny(h)));
+                flagged += tiny[r] as usize;
+            }
+        }
+        assert!(flagged > 0 && flagged < 60_000, "{flagged} rows flagged");
     }
 
     /// Packing keeps every value (`get`, `to_f32`), pads with zeros, and `from_bf16` packs the same words.
@@ -1516,8 +1799,10 @@ mod tests {
             ([p2(-63), 0.0, p2(-75), 0.0], [p2(-63), 0.0, -p2(-76), 0.0], p2(-126)),
             // a product of −2⁻¹⁴⁰ alone is flushed to −0 (the last step; +0 + −0 would be +0)
             ([0.0, 0.0, p2(-70), 0.0], [0.0, 0.0, -p2(-70), 0.0], -0.0),
-            // bf16 denormal input reads as zero even against a huge weight
-            ([f32::from_bits(0x0040_0000), 0.0, 1.0, 0.0], [p2(100), 0.0, 1.0, 0.0], 1.0),
+            // a bf16 denormal input reads as zero even against a huge weight (1.5 otherwise), in
+            // x or in w (the AVX2 kernel checks each side)
+            ([f32::from_bits(0x0040_0000), 0.0, 1.0, 0.0], [p2(126), 0.0, 1.0, 0.0], 1.0),
+            ([p2(126), 0.0, 1.0, 0.0], [f32::from_bits(0x0040_0000), 0.0, 1.0, 0.0], 1.0),
             // after 1: the odd element of a pair is added first, each sum rounded:
             // 1 − 1 = 0, + 2⁻³⁰ = 2⁻³⁰; and 1 + 2⁻³⁰ = 1, − 1 = 0 (one rounding would give 2⁻³⁰ both)
             ([1.0, 0.0, p2(-30), -1.0], [1.0, 0.0, 1.0, 1.0], p2(-30)),
@@ -1531,12 +1816,14 @@ mod tests {
                 assert_eq!(out[0].to_bits(), want.to_bits(), "{kernel:?} x {x:?} w {w:?}: {} vs {want}", out[0]);
             }
         }
-        // random tiny operands: products around 2⁻¹²⁶, sums crossing the boundary all the time
+        // random tiny operands: products around 2⁻¹²⁶, sums crossing the boundary all the time;
+        // both sides tiny, or one side (then x or w alone must send the AVX2 kernel to the
+        // portable steps)
         let mut rng = Rng::new(7);
         let (m, k, n) = (13, 301, 45);
-        for scale in [-63, -64, -66] {
-            let x: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32 * p2(scale)).collect();
-            let w: Vec<f32> = (0..n * k).map(|_| rng.normal() as f32 * p2(-63)).collect();
+        for (xs, ws) in [(-63, -63), (-64, -63), (-66, -63), (0, -126), (-126, 0)] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.normal() as f32 * p2(xs)).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.normal() as f32 * p2(ws)).collect();
             let pw = PackedBf16::from_f32(&w, n, k);
             let wb: Vec<u16> = w.iter().map(|&v| f32_to_bf16_bits(v)).collect();
             let mut outs = vec![];
@@ -1546,7 +1833,7 @@ mod tests {
                 for i in 0..m {
                     for j in 0..n {
                         let want = spec(&x[i * k..(i + 1) * k], |p| wb[j * k + p], None, None);
-                        assert_eq!(out[i * n + j].to_bits(), want.to_bits(), "{kernel:?} 2^{scale} ({i},{j})");
+                        assert_eq!(out[i * n + j].to_bits(), want.to_bits(), "{kernel:?} 2^{xs}, 2^{ws} ({i},{j})");
                     }
                 }
                 outs.push(out);

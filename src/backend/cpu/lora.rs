@@ -483,6 +483,9 @@ mod tests {
         use super::super::gemm_bf16::{matmul_dx_bf16_with, PackedBf16};
         let mut rng = Rng::new(33);
         let mut kernels = vec![Kernel::Portable];
+        if crate::backend::cpu::gemm_bf16::avx2_available() {
+            kernels.push(Kernel::Avx2);
+        }
         if crate::backend::cpu::gemm_bf16::native_available() {
             kernels.push(Kernel::Native);
         }
@@ -495,8 +498,9 @@ mod tests {
             (17, 1536, 576, &[(16, 0, 576)]),
             (16, 576, 3072, &[(16, 0, 1536), (4, 1536, 1536)]),
             (100, 96, 3072, &[(3, 5, 20), (16, 1000, 1100)]),
-            // A converted in two row batches (16 MiB / 6 KiB per row: 2720 rows on AMX strips,
-            // 2724 on 12-row ones, then the rest), the forward's x, then the backward's dy
+            // A converted in row batches (16 MiB / 6 KiB per row: 2720 rows on AMX strips, 2724
+            // on 12-row ones, then the rest; AVX2's f32 layout: 1356 rows), the forward's x,
+            // then the backward's dy
             (2800, 3072, 64, &[(8, 0, 64)]),
             (2800, 64, 3072, &[(8, 3000, 72)]),
             // odd k (a zero-padded last pair: AMX declines it), n off the 32-column panels, two

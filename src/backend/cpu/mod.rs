@@ -118,14 +118,7 @@ impl Backend for CpuBackend {
         match self.weights {
             WeightDtype::F32 => format!("cpu ({} threads, f32)", self.threads),
             WeightDtype::Bf16 => {
-                let kernel = if gemm_bf16::amx_available() {
-                    "AMX tiles (vdpbf16ps where a reduction is not a multiple of 32)"
-                } else if gemm_bf16::native_available() {
-                    "vdpbf16ps"
-                } else {
-                    "portable kernel: no AVX512_BF16"
-                };
-                format!("cpu ({} threads, bf16 weights, {kernel})", self.threads)
+                format!("cpu ({} threads, bf16 weights, {})", self.threads, gemm_bf16::auto_kernel())
             }
         }
     }
