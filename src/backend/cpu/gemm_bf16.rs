@@ -74,19 +74,20 @@
 //! its broadcasts are plain loads), with a flag per row; each pair row of a panel is widened to
 //! f32 by a shift and a mask, and the `vdpbf16ps` steps run as `vfmadd231ps` on 4 rows × 16
 //! columns (1 row × 32 for a single row): 8 accumulators, 4 widened weight vectors and 2
-//! broadcasts of the 16 ymm registers. Plain FMAs are the native steps whenever no operand is
-//! tiny (`TINY_EXP`: with every nonzero operand ≥ 2⁻⁵⁶ every partial sum is a multiple of
-//! 2⁻¹²⁶, so nothing is ever flushed or read as zero); a weight matrix or a 12-row strip holding a
-//! tiny operand takes the portable steps below, so the results are the native bits either way
-//! (tested on this path with the same data, tiny data in x alone, in w alone and in both, and
-//! random bit patterns). Measured on a 2-core AMD EPYC (Zen 3: AVX2, no AVX-512;
-//! `cargo bench --bench kernels -- "bf16"`, a shared machine): 4096-row products 133–143 GFLOP/s
+//! broadcasts (and the mask) of the 16 ymm registers. Plain FMAs are the native steps whenever
+//! the smallest exponents of a strip's rows and of the weight matrix keep every product on the
+//! grid of 2⁻¹²⁶ (`plain_fma_exact`: then every partial sum is a multiple of 2⁻¹²⁶, so nothing is
+//! ever flushed or read as zero); a 12-row strip outside that takes the portable steps below, so
+//! the results are the native bits either way (tested on this path: the spec's bits on normal
+//! data and on random bit patterns without tiny values, tiny data in x alone, in w alone and in
+//! both, one tiny row among normal ones, the exponent-sum boundary). Measured on a 2-core AMD
+//! EPYC (Zen 3: AVX2, no AVX-512; `cargo bench --bench kernels -- "bf16"`, a shared machine): 4096-row products 133–143 GFLOP/s
 //! (f32 there, the `gemm` crate: 130–160; the portable steps: 31); decode with 1 row streams
 //! 14–24 GiB/s of bf16 weights (f32: 17–21 GiB/s of twice the bytes), with 8 rows 7.5–10.5 (f32:
 //! 14–17, the same time per product): 8 rows × 32 columns would need 32 accumulators, so a panel
 //! is read in 4 passes (the first from memory, prefetched 6 KiB ahead into L2) at the FMA rate.
-//! So on such a CPU bf16 weights run at about the f32 speed (the model's step: README) with half
-//! the weight memory, where the portable steps alone ran 2–5× slower than f32.
+//! So on such a CPU bf16 weights run at about the f32 speed (0.9–1.3× in `bench` on the Zen 3:
+//! docs/RESULTS.md) with half the weight memory, where the portable steps alone ran 2–5× slower.
 //!
 //! **Portable steps** (`Kernel::Portable`, a tiny strip of the AVX2 kernel, a CPU without AVX2):
 //! the same driver and packed data; each pair row of a panel is widened to f32 (denormals to zero)
@@ -155,21 +156,30 @@ fn bf16_daz(h: u16) -> f32 {
     f32::from_bits(if b & 0x7f80_0000 == 0 { b & 0x8000_0000 } else { b })
 }
 
-/// The smallest biased exponent (2⁻⁵⁶) a nonzero operand may have for the AVX2 kernel's plain
-/// FMAs to give the `vdpbf16ps` bits. With every nonzero x and w at least 2⁻⁵⁶ in magnitude (8
-/// significant bits each), every product is an exact multiple of 2⁻¹²⁶, and so is every partial
-/// sum: +0 is, and an FMA's rounded result of a multiple of 2⁻¹²⁶ either is that multiple (below
-/// 2⁻¹⁰², where 24 bits hold it exactly) or lies on a grid coarser than 2⁻¹²⁶. A nonzero multiple
-/// of 2⁻¹²⁶ is a normal f32, so no sum is ever flushed, no operand is a denormal, and the FMA's
-/// rounding is `vdpbf16ps`'s. Operands below that (rare in a model: a weight under 10⁻¹⁷, an
-/// activation or gradient that small) send their strip to the portable steps.
-const TINY_EXP: u16 = 71;
-
-/// A nonzero bf16 under 2⁻⁵⁶ in magnitude (a denormal included): see `TINY_EXP`.
+/// When the AVX2 kernel's plain FMAs give the `vdpbf16ps` bits, from the smallest biased
+/// exponent of the nonzero values on each side (`min_exp`: 0 for a bf16 denormal, 255 for none).
+/// A nonzero bf16 of biased exponent e (8 significant bits) is a multiple of 2^(e − 134), so with
+/// e_x + e_w ≥ 142 every product is an exact multiple of 2⁻¹²⁶, and so is every partial sum: +0
+/// is, and an FMA's rounded result of a multiple of 2⁻¹²⁶ either is that multiple (below 2⁻¹⁰²,
+/// where 24 bits hold it exactly) or lies on a grid coarser than 2⁻¹²⁶. A nonzero multiple of
+/// 2⁻¹²⁶ is a normal f32, so no sum is ever flushed (nor, with no denormal operand, read as zero),
+/// and the FMA's rounding is `vdpbf16ps`'s. E.g. weights ≥ 2⁻²⁰ allow activations ≥ 2⁻⁹²: a
+/// strip outside that (a bf16 denormal, softmax numerators far below the row's maximum) takes the
+/// portable steps.
 #[inline(always)]
-fn bf16_tiny(h: u16) -> bool {
-    let mag = h & 0x7fff;
-    mag != 0 && mag < TINY_EXP << 7
+fn plain_fma_exact(ex: u8, ew: u8) -> bool {
+    ex >= 1 && ew >= 1 && ex as u16 + ew as u16 >= 142
+}
+
+/// The biased exponent of a bf16 for `plain_fma_exact`: 255 for ±0 (no constraint), 0 for a
+/// denormal.
+#[inline(always)]
+fn bf16_exp(h: u16) -> u8 {
+    if h & 0x7fff == 0 {
+        255
+    } else {
+        ((h >> 7) & 0xff) as u8
+    }
 }
 
 /// Which microkernel computes the products (the results are the same bits).
@@ -186,7 +196,7 @@ pub enum Kernel {
     /// f32 FMAs emulating `vdpbf16ps` (any CPU).
     Portable,
     /// AVX2+FMA: the `vdpbf16ps` steps as plain f32 FMAs on widened bf16, for every strip whose
-    /// operands cannot reach the denormal range (`TINY_EXP`), else the portable steps; panics
+    /// operands cannot reach the denormal range (`plain_fma_exact`), else the portable steps; panics
     /// without AVX2+FMA.
     Avx2,
 }
@@ -332,8 +342,8 @@ pub struct PackedBf16 {
     /// ⌈n/NR⌉
     panels: usize,
     data: Vec<Line>,
-    /// some weight is `bf16_tiny` (the AVX2 kernel then takes the portable steps)
-    tiny: bool,
+    /// the smallest `bf16_exp` of the weights (see `plain_fma_exact`)
+    min_exp: u8,
 }
 
 impl PackedBf16 {
@@ -354,7 +364,7 @@ impl PackedBf16 {
         let kc = k_block_pairs(pairs);
         let panels = n.div_ceil(NR);
         let mut data = alloc_lines(panels * pairs * NR / 16);
-        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Vec::new(), tiny: false };
+        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Vec::new(), min_exp: 255 };
         let dst = SendPtr(data.as_mut_ptr() as *mut u32);
         let fill = |pn: usize| {
             for b in 0..me.blocks() {
@@ -376,7 +386,7 @@ impl PackedBf16 {
         } else {
             (0..panels).for_each(fill);
         }
-        me.tiny = data.iter().any(|l| l.0.iter().any(|&w| bf16_tiny(w as u16) | bf16_tiny((w >> 16) as u16)));
+        me.min_exp = data.iter().flat_map(|l| l.0).map(|w| bf16_exp(w as u16).min(bf16_exp((w >> 16) as u16))).min().unwrap_or(255);
         me.data = data;
         me
     }
@@ -610,8 +620,8 @@ struct Job<'a> {
 thread_local! {
     /// The calling thread's A converted to bf16 pairs (reused across calls).
     static CONVERTED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
-    /// The AVX2 kernel's per-row flags of the calling thread's converted A: a `bf16_tiny` value.
-    static TINY_ROWS: RefCell<Vec<bool>> = const { RefCell::new(Vec::new()) };
+    /// The smallest `bf16_exp` of each row of the calling thread's converted A (AVX2 kernel).
+    static ROW_EXP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// A task thread's repacked panels of `dy W`.
     static REPACK: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
@@ -644,12 +654,12 @@ impl Job<'_> {
         if conv.len() < batch.next_multiple_of(mr) * lda {
             conv.resize(batch.next_multiple_of(mr) * lda, 0); // grown only: every row used is written first
         }
-        let mut tiny = if wide { TINY_ROWS.with(|s| std::mem::take(&mut *s.borrow_mut())) } else { Vec::new() };
-        if tiny.len() < batch {
-            tiny.resize(batch, false);
+        let mut exps = if wide { ROW_EXP.with(|s| std::mem::take(&mut *s.borrow_mut())) } else { Vec::new() };
+        if wide && exps.len() < batch {
+            exps.resize(batch, 0);
         }
         let cp = SendPtr(conv.as_mut_ptr());
-        let tp = SendPtr(tiny.as_mut_ptr());
+        let ep = SendPtr(exps.as_mut_ptr());
         for rb in (0..self.m).step_by(batch) {
             let rows = batch.min(self.m - rb);
             let convert = |piece: usize| {
@@ -658,7 +668,7 @@ impl Job<'_> {
                 unsafe {
                     let rows_f32 = self.a.get().add((rb + i0) * self.red);
                     if wide {
-                        convert_wide(rows_f32, self.red, i1 - i0, cp.get().add(i0 * lda) as *mut f32, tp.get().add(i0));
+                        convert_wide(rows_f32, self.red, i1 - i0, cp.get().add(i0 * lda) as *mut f32, lda, ep.get().add(i0));
                     } else {
                         convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
                     }
@@ -679,17 +689,17 @@ impl Job<'_> {
             if mr == AMX_MR {
                 conv[rows * self.pairs..rows.next_multiple_of(mr) * self.pairs].fill(0);
             }
-            self.run_rows(rb, rows, cp.get(), if wide { tp.get() } else { std::ptr::null_mut() }, threads, mr);
+            self.run_rows(rb, rows, cp.get(), if wide { ep.get() } else { std::ptr::null_mut() }, threads, mr);
         }
         CONVERTED.with(|s| *s.borrow_mut() = conv);
         if wide {
-            TINY_ROWS.with(|s| *s.borrow_mut() = tiny);
+            ROW_EXP.with(|s| *s.borrow_mut() = exps);
         }
     }
 
-    /// Rows `rb..rb+rows`, converted at `conv` (row stride `lda()`, their tiny flags at `tiny`
-    /// for the AVX2 kernel, else null), split into tasks.
-    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, tiny: *const bool, threads: usize, mr: usize) {
+    /// Rows `rb..rb+rows`, converted at `conv` (row stride `lda()`; for the AVX2 kernel their
+    /// smallest exponents at `exps`, else null), split into tasks.
+    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, exps: *const u8, threads: usize, mr: usize) {
         // Columns: runs of panels whose k block fits CHUNK_BYTES, equal-sized; decode (one strip)
         // splits into ~4 runs per thread for balance.
         let cap = (CHUNK_BYTES / (self.kc * NR * 4)).max(1);
@@ -712,7 +722,7 @@ impl Job<'_> {
         let per_group = strips.div_ceil(groups) * mr;
         let groups = rows.div_ceil(per_group);
         let conv = SendPtr(conv as *mut u32);
-        let tiny = SendPtr(tiny as *mut bool);
+        let exps = SendPtr(exps as *mut u8);
         let lda = self.lda();
         let task = |t: usize| {
             let (ci, gi) = (t % chunks, t / chunks);
@@ -720,7 +730,7 @@ impl Job<'_> {
             let (r0, r1) = (gi * per_group, ((gi + 1) * per_group).min(rows));
             // Safety: tasks write disjoint (row range × column run) tiles of C; every extent was
             // checked against the buffers by the public entry points.
-            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), if tiny.get().is_null() { tiny.get() } else { tiny.get().add(r0) }) }
+            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), if exps.get().is_null() { exps.get() } else { exps.get().add(r0) }) }
         };
         let tasks = chunks * groups;
         if threads > 1 && tasks > 1 {
@@ -730,9 +740,9 @@ impl Job<'_> {
         }
     }
 
-    /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `lda()`; the AVX2 kernel's
-    /// row flags at `tiny`), every k block.
-    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32, tiny: *const bool) {
+    /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `lda()`; for the AVX2
+    /// kernel the rows' smallest exponents at `exps`), every k block.
+    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32, exps: *const u8) {
         let mut repack = Vec::new();
         if let Source::Transposed(_) = self.src {
             repack = REPACK.with(|s| std::mem::take(&mut *s.borrow_mut()));
@@ -765,8 +775,8 @@ impl Job<'_> {
             let mut i = r0;
             while i < r1 {
                 let rows = MR.min(r1 - i);
-                // the AVX2 kernel's plain FMAs only where no operand is tiny (`TINY_EXP`)
-                let exact = wide && (self.weight().tiny || (0..rows).any(|r| *tiny.add(i - r0 + r)));
+                // the AVX2 kernel's plain FMAs only where they are the native steps
+                let exact = wide && !plain_fma_exact((0..rows).map(|r| *exps.add(i - r0 + r)).min().unwrap_or(255), self.weight().min_exp);
                 let mut pn = p0;
                 while pn < p1 {
                     let j0 = pn * NR;
@@ -892,24 +902,25 @@ unsafe fn convert_strip(a: *const f32, red: usize, rows: usize, q0: usize, kb: u
 }
 
 /// Rows `0..rows` of A (row stride `red`) rounded to bf16 and written as f32 values, the AVX2
-/// kernel's layout (`dst[r·2p + i]`, p = ⌈red/2⌉ pairs, an odd reduction's pad zero); `tiny[r]`
-/// says whether row r holds a `bf16_tiny` value.
-unsafe fn convert_wide(a: *const f32, red: usize, rows: usize, dst: *mut f32, tiny: *mut bool) {
-    let lda = 2 * red.div_ceil(2);
+/// kernel's layout (`dst[r·lda + i]`, lda = 2⌈red/2⌉: an odd reduction's pad zero); `exps[r]` is
+/// row r's smallest `bf16_exp`.
+unsafe fn convert_wide(a: *const f32, red: usize, rows: usize, dst: *mut f32, lda: usize, exps: *mut u8) {
+    debug_assert_eq!(lda, 2 * red.div_ceil(2));
     for r in 0..rows {
         let src = std::slice::from_raw_parts(a.add(r * red), red);
         let d = std::slice::from_raw_parts_mut(dst.add(r * lda) as *mut u32, lda);
-        let mut any = 0u32;
+        let mut least = 255u32;
         for (o, &x) in d.iter_mut().zip(src) {
             let h = f32_to_bf16_bits(x);
             *o = (h as u32) << 16;
-            // `bf16_tiny(h)` as one compare (0 wraps around), so the loop vectorizes
-            any |= (((h & 0x7fff) as u32).wrapping_sub(1) < ((TINY_EXP as u32) << 7) - 1) as u32;
+            // `bf16_exp(h)` without a branch, so the loop vectorizes
+            let e = if h & 0x7fff == 0 { 255 } else { (h as u32 >> 7) & 0xff };
+            least = least.min(e);
         }
         if red % 2 == 1 {
             d[red] = 0;
         }
-        *tiny.add(r) = any != 0;
+        *exps.add(r) = least as u8;
     }
 }
 
@@ -959,7 +970,8 @@ struct Tile {
     lda: usize,
     /// A as f32 values (the AVX2 kernel's layout) rather than pair words
     wide: bool,
-    /// an operand of this strip is tiny (`TINY_EXP`): the AVX2 kernel takes the portable steps
+    /// plain FMAs are not the native steps here (`plain_fma_exact`): the AVX2 kernel takes the
+    /// portable steps
     exact: bool,
     /// first panel (pair-major rows of NR words); panel p at `b + p·pstride`
     b: *const u32,
@@ -1368,7 +1380,7 @@ mod avx512 {
 }
 
 /// The AVX2 kernel (no AVX512_BF16): each pair row of a panel widened to f32 (shift / mask) and
-/// the `vdpbf16ps` steps as `vfmadd231ps`, on strips whose operands pass `TINY_EXP` (then these
+/// the `vdpbf16ps` steps as `vfmadd231ps`, on strips whose operands pass `plain_fma_exact` (then these
 /// FMAs are the native steps, see there). 16 ymm registers: 4 rows × 16 columns (8 accumulators,
 /// 4 widened weight vectors reused by the 4 rows, 2 broadcasts), or 1 row × 32 columns.
 #[cfg(target_arch = "x86_64")]
@@ -1562,27 +1574,34 @@ mod tests {
                 assert_eq!(a[pairs - 1] >> 16, 0);
             }
         }
-        // the AVX2 kernel's layout: the same bits as f32 values, a zero pad, the tiny flags
-        // (nonzero and under 2⁻⁵⁶, either sign; zero, 2⁻⁵⁶ itself, inf and NaN are not tiny)
-        for (h, t) in [(0u16, false), (0x8000, false), (0x0001, true), (0x8001, true), (0x237f, true), (0xa37f, true), (0x2380, false), (0xa380, false), (0x3f80, false), (0x7f80, false), (0x7fc0, false)] {
-            assert_eq!(bf16_tiny(h), t, "{h:#06x}");
+        // the AVX2 kernel's layout: the same bits as f32 values, a zero pad, each row's smallest
+        // exponent (zero is 255, a denormal 0; sign ignored)
+        for (h, e) in [(0u16, 255u8), (0x8000, 255), (0x0001, 0), (0x807f, 0), (0x0080, 1), (0x8080, 1), (0x2380, 71), (0xa3ff, 71), (0x3f80, 127), (0x7f80, 255), (0xffc1, 255)] {
+            assert_eq!(bf16_exp(h), e, "{h:#06x}");
         }
-        let xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        assert!(plain_fma_exact(71, 71) && plain_fma_exact(1, 141) && plain_fma_exact(141, 1));
+        assert!(!plain_fma_exact(71, 70) && !plain_fma_exact(0, 255) && !plain_fma_exact(255, 0));
+        // rows drawn from the whole list (every sign, exponent, special), shuffled
+        let mut rng = Rng::new(4);
+        let mut xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        for i in (1..xs.len()).rev() {
+            xs.swap(i, rng.next_u64() as usize % (i + 1));
+        }
         let (rows, red) = (3, 67);
-        let mut flagged = 0;
+        let mut seen = [0usize; 256];
         for chunk in xs.chunks_exact(rows * red).take(20_000) {
-            let (mut d, mut tiny) = (vec![7f32; rows * (red + 1)], [false; 3]);
-            unsafe { convert_wide(chunk.as_ptr(), red, rows, d.as_mut_ptr(), tiny.as_mut_ptr()) };
+            let (mut d, mut exps) = (vec![7f32; rows * (red + 1)], [9u8; 3]);
+            unsafe { convert_wide(chunk.as_ptr(), red, rows, d.as_mut_ptr(), red + 1, exps.as_mut_ptr()) };
             for r in 0..rows {
                 let want: Vec<u16> = chunk[r * red..(r + 1) * red].iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
                 let got = &d[r * (red + 1)..(r + 1) * (red + 1)];
                 assert!(got[..red].iter().zip(&want).all(|(g, &w)| g.to_bits() == (w as u32) << 16));
                 assert_eq!(got[red].to_bits(), 0);
-                assert_eq!(tiny[r], want.iter().any(|&h| bf16_tiny(h)));
-                flagged += tiny[r] as usize;
+                assert_eq!(exps[r], want.iter().map(|&h| bf16_exp(h)).min().unwrap());
+                seen[exps[r] as usize] += 1;
             }
         }
-        assert!(flagged > 0 && flagged < 60_000, "{flagged} rows flagged");
+        assert!(seen[0] > 0 && seen.iter().filter(|&&c| c > 0).count() > 20, "row minima: {seen:?}");
     }
 
     /// Packing keeps every value (`get`, `to_f32`), pads with zeros, and `from_bf16` packs the same words.
@@ -1807,6 +1826,9 @@ mod tests {
             // 1 − 1 = 0, + 2⁻³⁰ = 2⁻³⁰; and 1 + 2⁻³⁰ = 1, − 1 = 0 (one rounding would give 2⁻³⁰ both)
             ([1.0, 0.0, p2(-30), -1.0], [1.0, 0.0, 1.0, 1.0], p2(-30)),
             ([1.0, 0.0, -1.0, p2(-30)], [1.0, 0.0, 1.0, 1.0], 0.0),
+            // exponents one short of `plain_fma_exact` (71 + 70): products on the grid of 2⁻¹²⁷
+            // cancel to 2⁻¹²⁷, flushed to +0 (a plain FMA keeps the denormal)
+            ([p2(-56) * (1.0 + p2(-7)), 0.0, -p2(-56), 0.0], [p2(-57) * (1.0 + p2(-7)), 0.0, p2(-57) * (1.0 + p2(-6)), 0.0], 0.0),
         ];
         for kernel in kernels() {
             for (x, w, want) in cases {
@@ -1855,10 +1877,22 @@ mod tests {
             let e = if narrow { 40 + (b >> 23) % 50 } else { (b >> 23) & 0xff };
             f32::from_bits((b & 0x807f_ffff) | e << 23)
         };
-        for call in 0..400 {
-            let narrow = call % 2 == 1;
-            let x: Vec<f32> = (0..m * k).map(|_| pick(narrow)).collect();
-            let w: Vec<f32> = (0..n * k).map(|_| pick(narrow)).collect();
+        for call in 0..600 {
+            // 0: any exponent; 1: near 2⁻¹²⁶; 2: zeros and exponents ≥ 71 only, so the AVX2
+            // kernel runs its plain FMAs (overflow, inf − inf, signed zeros included)
+            let mode = call % 3;
+            let mut draw = |_| {
+                let v = pick(mode == 1);
+                if mode != 2 || v.to_bits() & 0x7f80_0000 >= 71 << 23 {
+                    v
+                } else if v.to_bits() & 0x10 == 0 {
+                    f32::from_bits(v.to_bits() & 0x8000_0000) // ±0
+                } else {
+                    f32::from_bits(v.to_bits() | 71 << 23)
+                }
+            };
+            let x: Vec<f32> = (0..m * k).map(&mut draw).collect();
+            let w: Vec<f32> = (0..n * k).map(&mut draw).collect();
             let pw = PackedBf16::from_f32(&w, n, k);
             let wb: Vec<u16> = w.iter().map(|&v| f32_to_bf16_bits(v)).collect();
             for kernel in kernels() {
@@ -1871,6 +1905,46 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// One row with a bf16 denormal among normal rows (in the second of two row batches, too):
+    /// its strip takes the portable steps (the denormal reads as zero against a 2¹²⁶ weight,
+    /// 0.5 otherwise), the others the plain FMAs; the AVX2 kernel gives the portable bits on
+    /// 1–3 threads, forward and dx.
+    #[test]
+    fn a_tiny_row_among_normal_ones() {
+        if !avx2_available() {
+            eprintln!("note: no AVX2 on this CPU, the AVX2 kernel is not tested");
+            return;
+        }
+        let mut rng = Rng::new(10);
+        // 16 MiB / (3072 · 8 bytes) → row batches of 1356 rows in the AVX2 layout
+        let (m, k, n) = (2800, 3072, 40);
+        let mut x = normal(&mut rng, m * k);
+        let mut w = normal(&mut rng, n * k);
+        let mut dy = normal(&mut rng, m * n);
+        w[3 * k + 5] = 2f32.powi(126);
+        for r in [57, 1400] {
+            x[r * k + 5] = f32::from_bits(0x0040_0000);
+            dy[r * n + 3] = f32::from_bits(0x0040_0000);
+        }
+        let pw = PackedBf16::from_f32(&w, n, k);
+        let (mut want, mut want_dx) = (vec![0f32; m * n], vec![0f32; m * k]);
+        matmul_bf16_with(&x, &pw, None, m, k, n, &mut want, Kernel::Portable, true);
+        matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut want_dx, false, Kernel::Portable, true);
+        assert!(want[57 * n + 3].is_finite() && want_dx[57 * k + 5].is_finite());
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let (mut out, mut dx) = (vec![0f32; m * n], vec![0f32; m * k]);
+                matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, Kernel::Avx2, true);
+                matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut dx, false, Kernel::Avx2, true);
+                for (got, want, what) in [(&out, &want, "x·Wᵀ"), (&dx, &want_dx, "dy·W")] {
+                    let bad = got.iter().zip(want.iter()).position(|(a, b)| a.to_bits() != b.to_bits());
+                    assert!(bad.is_none(), "{what}, {threads} threads: first difference at {bad:?}");
+                }
+            });
         }
     }
 
