@@ -225,7 +225,7 @@ fn machine(c: &mut Criterion) {
         if is_x86_feature_detected!("avx512f") {
             g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 2) as u64));
             g.bench_function(format!("f32 FMA peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma(ITERS)) })));
-        } else {
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // a CPU without AVX-512 (the f32 GEMM and the bf16 fallback then run 8-lane FMAs)
             g.throughput(Throughput::Elements((threads * ITERS * peak::ACC_AVX2 * 8 * 2) as u64));
             g.bench_function(format!("f32 FMA peak (AVX2), {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma_avx2(ITERS)) })));
