@@ -630,11 +630,16 @@ impl Job<'_> {
     /// Words per row of converted A: a pair word each, or for the AVX2 kernel (`wide`) both
     /// values of a pair as f32 (rounded to bf16), so its broadcasts are plain loads.
     fn lda(&self) -> usize {
-        if self.micro == Micro::Avx2 {
+        if self.wide() {
             2 * self.pairs
         } else {
             self.pairs
         }
+    }
+
+    /// A in the AVX2 kernel's layout (see `lda`).
+    fn wide(&self) -> bool {
+        self.micro == Micro::Avx2
     }
 
     fn weight(&self) -> &PackedBf16 {
@@ -648,7 +653,7 @@ impl Job<'_> {
         // A is converted once per call, in batches of rows of at most CONVERTED_BYTES. The AMX
         // kernel reads strips of AMX_MR rows: the batch's last strip is padded with zero rows.
         let mr = if self.micro == Micro::Amx { AMX_MR } else { MR };
-        let (lda, wide) = (self.lda(), self.micro == Micro::Avx2);
+        let (lda, wide) = (self.lda(), self.wide());
         let batch = self.m.min((CONVERTED_BYTES / (lda * 4) / mr).max(1) * mr);
         let mut conv = CONVERTED.with(|s| std::mem::take(&mut *s.borrow_mut()));
         if conv.len() < batch.next_multiple_of(mr) * lda {
@@ -730,7 +735,7 @@ impl Job<'_> {
             let (r0, r1) = (gi * per_group, ((gi + 1) * per_group).min(rows));
             // Safety: tasks write disjoint (row range × column run) tiles of C; every extent was
             // checked against the buffers by the public entry points.
-            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), if exps.get().is_null() { exps.get() } else { exps.get().add(r0) }) }
+            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), exps.get().wrapping_add(r0)) } // exps is null (never read) unless wide
         };
         let tasks = chunks * groups;
         if threads > 1 && tasks > 1 {
@@ -771,7 +776,7 @@ impl Job<'_> {
                 self.block_amx(b, blocks, q0, kb, panels, p0, p1, r0, r1, a);
                 continue;
             }
-            let (lda, wide) = (self.lda(), self.micro == Micro::Avx2);
+            let (lda, wide) = (self.lda(), self.wide());
             let mut i = r0;
             while i < r1 {
                 let rows = MR.min(r1 - i);
