@@ -224,12 +224,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        ensure!(inv_freq.len() >= g.head_dim / 2, "rope: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
         rope::rope_qkv(qkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, 1.0);
         Ok(())
     }
     fn qk_norm_rope(&self, qkv: &mut CpuBuf, q_norm: &CpuBuf, k_norm: &CpuBuf, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
         ensure!(qkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope: qkv too small");
+        ensure!(inv_freq.len() >= g.head_dim / 2, "qk_norm_rope: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
         rope::qk_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, g);
         Ok(())
     }
@@ -313,12 +315,14 @@ impl TrainBackend for CpuBackend {
         Ok(())
     }
     fn rope_bwd(&self, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+        ensure!(inv_freq.len() >= g.head_dim / 2, "rope_bwd: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
         rope::rope_qkv(dqkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, -1.0);
         Ok(())
     }
     fn qk_norm_rope_bwd(&self, pre: &CpuBuf, q_norm: &CpuBuf, k_norm: &CpuBuf, eps: f32, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope_bwd: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
         ensure!(pre.len() >= positions.len() * g.qkv_dim() && dqkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope_bwd: buffers too small");
+        ensure!(inv_freq.len() >= g.head_dim / 2, "qk_norm_rope_bwd: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
         rope::qk_norm_rope_bwd(pre, q_norm, k_norm, eps, dqkv, positions, inv_freq, g);
         Ok(())
     }

@@ -18,6 +18,52 @@ pub fn rope_cos_sin(pos: u32, inv_freq: &[f32], cos: &mut [f32], sin: &mut [f32]
     }
 }
 
+/// cos/sin of every row of a position list: row i is `[cos; half] ++ [sin; half]` of
+/// `positions[i]` (`rope_cos_sin`'s values, so the same bits).
+pub struct Angles {
+    positions: Vec<u32>,
+    inv_freq: Vec<f32>,
+    cs: Vec<f32>,
+}
+
+impl Angles {
+    /// Row `i`: (cos, sin).
+    #[inline]
+    fn row(&self, i: usize) -> (&[f32], &[f32]) {
+        let half = self.inv_freq.len();
+        self.cs[2 * half * i..2 * half * (i + 1)].split_at(half)
+    }
+}
+
+thread_local! {
+    static LAST: std::cell::RefCell<Option<std::sync::Arc<Angles>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The angles of `positions`. A step asks for the same list once per layer, forward and
+/// backward, so the last list's table is kept (per calling thread) and reused while the
+/// positions and frequencies match: `sin`/`cos` per row and layer were ~half of a decode step's
+/// RoPE time (8 rows: 256 `sincosf` per layer).
+pub fn angles(positions: &[u32], inv_freq: &[f32]) -> std::sync::Arc<Angles> {
+    if let Some(a) = LAST.with(|l| l.borrow().clone()) {
+        if a.positions == positions && a.inv_freq == inv_freq {
+            return a;
+        }
+    }
+    let half = inv_freq.len();
+    let mut cs = vec![0f32; 2 * half * positions.len()];
+    if half > 0 {
+        cs.par_chunks_mut(2 * half * ROWS_PER_TASK).zip(positions.par_chunks(ROWS_PER_TASK)).for_each(|(rows, pos)| {
+            for (row, &p) in rows.chunks_exact_mut(2 * half).zip(pos) {
+                let (c, s) = row.split_at_mut(half);
+                rope_cos_sin(p, inv_freq, c, s);
+            }
+        });
+    }
+    let a = std::sync::Arc::new(Angles { positions: positions.to_vec(), inv_freq: inv_freq.to_vec(), cs });
+    LAST.with(|l| *l.borrow_mut() = Some(a.clone()));
+    a
+}
+
 /// Rotate one head vector (rotate_half convention: pairs (i, i + hd/2)). `sign` = -1 applies the
 /// inverse rotation (used by the backward pass).
 #[inline]
@@ -35,33 +81,24 @@ pub fn rope_apply(v: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
 /// RoPE on the q and k parts of fused qkv rows (`qkv_dim` wide), in place.
 pub fn rope_qkv(qkv: &mut [f32], positions: &[u32], inv_freq: &[f32], n_heads: usize, n_kv: usize, hd: usize, sign: f32) {
     let width = (n_heads + 2 * n_kv) * hd;
-    qkv[..positions.len() * width]
-        .par_chunks_mut(width * ROWS_PER_TASK)
-        .zip(positions.par_chunks(ROWS_PER_TASK))
-        .for_each(|(rows, pos)| {
-            let half = hd / 2;
-            let mut cos = vec![0f32; half];
-            let mut sin = vec![0f32; half];
-            for (row, &p) in rows.chunks_exact_mut(width).zip(pos) {
-                rope_cos_sin(p, inv_freq, &mut cos, &mut sin);
-                for h in 0..n_heads + n_kv {
-                    rope_apply(&mut row[h * hd..(h + 1) * hd], &cos, &sin, sign);
-                }
+    let ang = angles(positions, &inv_freq[..hd / 2]);
+    qkv[..positions.len() * width].par_chunks_mut(width * ROWS_PER_TASK).enumerate().for_each(|(t, rows)| {
+        for (i, row) in rows.chunks_exact_mut(width).enumerate() {
+            let (cos, sin) = ang.row(t * ROWS_PER_TASK + i);
+            for h in 0..n_heads + n_kv {
+                rope_apply(&mut row[h * hd..(h + 1) * hd], cos, sin, sign);
             }
-        });
+        }
+    });
 }
 
 /// Qwen3: per-head RMSNorm of q (weight `qn`) and k (weight `kn`), then RoPE, in place.
 pub fn qk_norm_rope(qkv: &mut [f32], qn: &[f32], kn: &[f32], eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) {
     let (hd, nh, nkv, width) = (g.head_dim, g.n_heads, g.n_kv_heads, g.qkv_dim());
-    qkv[..positions.len() * width]
-        .par_chunks_mut(width * ROWS_PER_TASK)
-        .zip(positions.par_chunks(ROWS_PER_TASK))
-        .for_each(|(rows, pos)| {
-            let half = hd / 2;
-            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-            for (row, &p) in rows.chunks_exact_mut(width).zip(pos) {
-                rope_cos_sin(p, inv_freq, &mut cos, &mut sin);
+    let ang = angles(positions, &inv_freq[..hd / 2]);
+    qkv[..positions.len() * width].par_chunks_mut(width * ROWS_PER_TASK).enumerate().for_each(|(t, rows)| {
+            for (i, row) in rows.chunks_exact_mut(width).enumerate() {
+                let (cos, sin) = ang.row(t * ROWS_PER_TASK + i);
                 for h in 0..nh + nkv {
                     let w = if h < nh { qn } else { kn };
                     let v = &mut row[h * hd..(h + 1) * hd];
@@ -69,7 +106,7 @@ pub fn qk_norm_rope(qkv: &mut [f32], qn: &[f32], kn: &[f32], eps: f32, positions
                     for (x, &wi) in v.iter_mut().zip(w) {
                         *x = *x * s * wi;
                     }
-                    rope_apply(v, &cos, &sin, 1.0);
+                    rope_apply(v, cos, sin, 1.0);
                 }
             }
         });
@@ -80,21 +117,20 @@ pub fn qk_norm_rope(qkv: &mut [f32], qn: &[f32], kn: &[f32], eps: f32, positions
 pub fn qk_norm_rope_bwd(pre: &[f32], qn: &[f32], kn: &[f32], eps: f32, dqkv: &mut [f32], positions: &[u32], inv_freq: &[f32], g: AttnGeom) {
     let (hd, nh, nkv, width) = (g.head_dim, g.n_heads, g.n_kv_heads, g.qkv_dim());
     let n = positions.len();
+    let ang = angles(positions, &inv_freq[..hd / 2]);
     dqkv[..n * width]
         .par_chunks_mut(width * ROWS_PER_TASK)
         .zip(pre[..n * width].par_chunks(width * ROWS_PER_TASK))
-        .zip(positions.par_chunks(ROWS_PER_TASK))
-        .for_each(|((drows, prows), pos)| {
-            let half = hd / 2;
-            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+        .enumerate()
+        .for_each(|(t, (drows, prows))| {
             let mut dy = vec![0f32; hd];
-            for ((drow, prow), &p) in drows.chunks_exact_mut(width).zip(prows.chunks_exact(width)).zip(pos) {
-                rope_cos_sin(p, inv_freq, &mut cos, &mut sin);
+            for (i, (drow, prow)) in drows.chunks_exact_mut(width).zip(prows.chunks_exact(width)).enumerate() {
+                let (cos, sin) = ang.row(t * ROWS_PER_TASK + i);
                 for h in 0..nh + nkv {
                     let w = if h < nh { qn } else { kn };
                     let (d, x) = (&mut drow[h * hd..(h + 1) * hd], &prow[h * hd..(h + 1) * hd]);
                     dy.copy_from_slice(d);
-                    rope_apply(&mut dy, &cos, &sin, -1.0);
+                    rope_apply(&mut dy, cos, sin, -1.0);
                     rmsnorm_bwd_row(x, w, &dy, inv_rms(x, eps), d, false);
                 }
             }
@@ -104,6 +140,35 @@ pub fn qk_norm_rope_bwd(pre: &[f32], qn: &[f32], kn: &[f32], eps: f32, dqkv: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kept table never outlives its positions or frequencies: each call's rows are rotated
+    /// by their own angles (checked against `rope_cos_sin` per row) when the list changes in
+    /// values only, in length, or the frequencies change; and more rows than one task holds.
+    #[test]
+    fn kept_angles_follow_the_positions() {
+        let (nh, nkv, hd) = (2, 1, 8);
+        let width = (nh + 2 * nkv) * hd;
+        let inv: Vec<f32> = (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect();
+        let inv2: Vec<f32> = inv.iter().map(|f| f * 0.25).collect();
+        let want = |x: &[f32], pos: &[u32], inv: &[f32]| -> Vec<f32> {
+            let mut y = x.to_vec();
+            let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+            for (row, &p) in y.chunks_exact_mut(width).zip(pos) {
+                rope_cos_sin(p, inv, &mut c, &mut s);
+                for h in 0..nh + nkv {
+                    rope_apply(&mut row[h * hd..(h + 1) * hd], &c, &s, 1.0);
+                }
+            }
+            y
+        };
+        let long: Vec<u32> = (0..150).map(|i| (i * 37 % 500) as u32).collect();
+        for (pos, f) in [(vec![5u32, 9, 100], &inv), (vec![6, 9, 100], &inv), (vec![6, 9, 100], &inv2), (vec![6, 9], &inv2), (long, &inv), (vec![6, 9, 100], &inv)] {
+            let x: Vec<f32> = (0..pos.len() * width).map(|i| (i as f32 * 0.61).sin()).collect();
+            let mut y = x.clone();
+            rope_qkv(&mut y, &pos, f, nh, nkv, hd, 1.0);
+            assert!(y.iter().zip(want(&x, &pos, f)).all(|(a, b)| a.to_bits() == b.to_bits()), "positions {:?}", &pos[..pos.len().min(4)]);
+        }
+    }
 
     #[test]
     fn rope_inverse_and_norm_preserving() {

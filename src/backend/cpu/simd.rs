@@ -281,6 +281,76 @@ pub(crate) mod avx512 {
         n16
     }
 
+    /// `avx::exp_sub_sum` 16 lanes at a time: the same exp bits per lane, and the same sums —
+    /// each 16-lane vector's low then high half added into one 8-lane accumulator, the 8-lane
+    /// loop's order. For a row of `n8` (a multiple of 8); returns the 8 lane sums.
+    #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_sub_sum(x: *mut f32, n8: usize, m: f32, write: bool) -> __m256 {
+        let (mv, mut acc) = (_mm512_set1_ps(m), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 16 <= n8 {
+            let e = exp(_mm512_sub_ps(_mm512_loadu_ps(x.add(i)), mv));
+            if write {
+                _mm512_storeu_ps(x.add(i), e);
+            }
+            acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+            acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps::<1>(e));
+            i += 16;
+        }
+        if i < n8 {
+            let e = super::avx::exp(_mm256_sub_ps(_mm256_loadu_ps(x.add(i)), _mm512_castps512_ps256(mv)));
+            if write {
+                _mm256_storeu_ps(x.add(i), e);
+            }
+            acc = _mm256_add_ps(acc, e);
+        }
+        acc
+    }
+
+    /// `avx::exp_sub_sum_dot` 16 lanes at a time, the sums in its order (as `exp_sub_sum`).
+    #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_sub_sum_dot(x: *mut f32, n8: usize, m: f32) -> (__m256, __m256) {
+        let (mv, mut acc, mut accl) = (_mm512_set1_ps(m), _mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 16 <= n8 {
+            let v = _mm512_loadu_ps(x.add(i));
+            let e = exp(_mm512_sub_ps(v, mv));
+            let el = _mm512_mul_ps(e, v);
+            accl = _mm256_add_ps(accl, _mm512_castps512_ps256(el));
+            accl = _mm256_add_ps(accl, _mm512_extractf32x8_ps::<1>(el));
+            _mm512_storeu_ps(x.add(i), e);
+            acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+            acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps::<1>(e));
+            i += 16;
+        }
+        if i < n8 {
+            let v = _mm256_loadu_ps(x.add(i));
+            let e = super::avx::exp(_mm256_sub_ps(v, _mm512_castps512_ps256(mv)));
+            accl = _mm256_add_ps(accl, _mm256_mul_ps(e, v));
+            _mm256_storeu_ps(x.add(i), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        (acc, accl)
+    }
+
+    /// `avx::exp_scaled_sub` 16 lanes at a time (then 8).
+    #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_scaled_sub(x: *mut f32, n8: usize, scale: f32, sub: f32) {
+        let (sc, sb) = (_mm512_set1_ps(scale), _mm512_set1_ps(sub));
+        let mut i = 0;
+        while i + 16 <= n8 {
+            let v = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x.add(i)), sc), sb);
+            _mm512_storeu_ps(x.add(i), exp(v));
+            i += 16;
+        }
+        if i < n8 {
+            super::avx::exp_scaled_sub(x.add(i), 8, scale, sub);
+        }
+    }
+
     /// `exp` on 16 lanes of an array (for the test).
     #[cfg(test)]
     #[target_feature(enable = "avx512f")]
@@ -321,8 +391,8 @@ pub fn exp(x: f32) -> f32 {
 pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
     let n8 = x.len() & !7;
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    // Safety: n8 ≤ x.len().
-    let mut s = unsafe { avx::exp_sub_sum(x.as_mut_ptr(), n8, m, true) };
+    // Safety: n8 ≤ x.len(); AVX-512F checked.
+    let mut s = unsafe { if has_avx512f() { avx::hsum(avx512::exp_sub_sum(x.as_mut_ptr(), n8, m, true)) } else { avx::exp_sub_sum(x.as_mut_ptr(), n8, m, true) } };
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
     let mut s = {
         let mut acc = [0f32; 8];
@@ -346,8 +416,8 @@ pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
 pub fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
     let n8 = x.len() & !7;
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    // Safety: n8 ≤ x.len(); with write = false nothing is stored through the pointer.
-    let mut s = unsafe { avx::exp_sub_sum(x.as_ptr() as *mut f32, n8, m, false) };
+    // Safety: n8 ≤ x.len(); with write = false nothing is stored through the pointer; AVX-512F checked.
+    let mut s = unsafe { if has_avx512f() { avx::hsum(avx512::exp_sub_sum(x.as_ptr() as *mut f32, n8, m, false)) } else { avx::exp_sub_sum(x.as_ptr() as *mut f32, n8, m, false) } };
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
     let mut s = {
         let mut acc = [0f32; 8];
@@ -370,8 +440,15 @@ pub fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
 pub fn exp_sub_sum_dot(x: &mut [f32], m: f32) -> (f32, f32) {
     let n8 = x.len() & !7;
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    // Safety: n8 ≤ x.len().
-    let (mut s, mut sl) = unsafe { avx::exp_sub_sum_dot(x.as_mut_ptr(), n8, m) };
+    // Safety: n8 ≤ x.len(); AVX-512F checked.
+    let (mut s, mut sl) = unsafe {
+        if has_avx512f() {
+            let (a, al) = avx512::exp_sub_sum_dot(x.as_mut_ptr(), n8, m);
+            (avx::hsum(a), avx::hsum(al))
+        } else {
+            avx::exp_sub_sum_dot(x.as_mut_ptr(), n8, m)
+        }
+    };
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
     let (mut s, mut sl) = {
         let (mut acc, mut accl) = ([0f32; 8], [0f32; 8]);
@@ -400,9 +477,13 @@ pub fn exp_sub_sum_dot(x: &mut [f32], m: f32) -> (f32, f32) {
 pub fn exp_scaled_sub(x: &mut [f32], scale: f32, sub: f32) {
     let n8 = x.len() & !7;
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    // Safety: n8 ≤ x.len().
+    // Safety: n8 ≤ x.len(); AVX-512F checked.
     unsafe {
-        avx::exp_scaled_sub(x.as_mut_ptr(), n8, scale, sub)
+        if has_avx512f() {
+            avx512::exp_scaled_sub(x.as_mut_ptr(), n8, scale, sub)
+        } else {
+            avx::exp_scaled_sub(x.as_mut_ptr(), n8, scale, sub)
+        }
     };
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
     for v in &mut x[..n8] {
@@ -546,5 +627,55 @@ mod tests {
             assert_eq!(e.to_bits(), exp(x * 0.125 - 2.0).to_bits());
         }
         assert!((dot(&[1.0; 13], &[2.0; 13]) - 26.0).abs() < 1e-6);
+    }
+
+    /// The softmax-row helpers give the bits of the 8-lane spec — every element `exp_lane`, the
+    /// sums in 8 lane accumulators over whole 8-blocks, `hsum`'s order, then the tail one by one —
+    /// whichever path runs (16 lanes with AVX-512, 8 with AVX2, scalar): a row's bits do not
+    /// depend on the CPU. Lengths cover an odd 8-block after the 16-blocks and every tail.
+    #[test]
+    fn row_helpers_give_the_8_lane_bits() {
+        let h = |a: [f32; 8]| ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        let spec = |x: &[f32], f: &dyn Fn(f32) -> f32, dot: bool| -> (Vec<f32>, f32, f32) {
+            let n8 = x.len() & !7;
+            let (mut acc, mut accl) = ([0f32; 8], [0f32; 8]);
+            let e: Vec<f32> = x.iter().map(|&v| f(v)).collect();
+            for i in 0..n8 {
+                acc[i % 8] += e[i];
+                accl[i % 8] += e[i] * x[i];
+            }
+            let (mut s, mut sl) = (h(acc), h(accl));
+            for i in n8..x.len() {
+                if dot {
+                    sl += e[i] * x[i];
+                }
+                s += e[i];
+            }
+            (e, s, sl)
+        };
+        // terms of comparable size (a sum's order shows in its last bits), and values the clamp
+        // and the exponent bits must handle
+        let special = [0.0, -0.0, -200.0, 1e-40, 3.5, -87.5, -1e3, 0.25];
+        for (n, m) in [0, 1, 7, 8, 9, 15, 16, 17, 24, 31, 40, 47, 48, 56, 100, 203, 512, 777, 1001].into_iter().flat_map(|n| [(n, 2.25f32), (n, -1.0)]) {
+            let x: Vec<f32> = (0..n).map(|i| if i % 13 == 5 { special[i % special.len()] } else { ((i * 7919) % 2003) as f32 * 0.003 - 3.0 }).collect();
+            let (we, ws, wsl) = spec(&x, &|v| exp_lane(v - m), true);
+            let mut a = x.clone();
+            let s = exp_sub_sum(&mut a, m);
+            assert!(a.iter().zip(&we).all(|(g, w)| g.to_bits() == w.to_bits()) && s.to_bits() == ws.to_bits(), "exp_sub_sum, n {n}: {s} vs {ws}");
+            assert_eq!(sum_exp_sub(&x, m).to_bits(), ws.to_bits(), "sum_exp_sub, n {n}");
+            let mut b = x.clone();
+            let (s, sl) = exp_sub_sum_dot(&mut b, m);
+            assert!(b.iter().zip(&we).all(|(g, w)| g.to_bits() == w.to_bits()) && s.to_bits() == ws.to_bits() && sl.to_bits() == wsl.to_bits(), "exp_sub_sum_dot, n {n}: {s} {sl} vs {ws} {wsl}");
+            let (we, _, _) = spec(&x, &|v| exp_lane(v * 0.125 - m), false);
+            let mut c = x.clone();
+            exp_scaled_sub(&mut c, 0.125, m);
+            assert!(c.iter().zip(&we).all(|(g, w)| g.to_bits() == w.to_bits()), "exp_scaled_sub, n {n}");
+        }
+        let mut nan = vec![1.0f32; 40];
+        nan[21] = f32::NAN;
+        assert!(exp_sub_sum(&mut nan, 0.0).is_nan() && nan[21].is_nan() && nan[20] == exp(1.0));
+        let mut inf = vec![1.0f32; 40];
+        inf[3] = f32::NEG_INFINITY;
+        assert!(exp_sub_sum(&mut inf, 0.0) == 39.0 * exp(1.0) + inf[3] && inf[3] == exp(f32::NEG_INFINITY));
     }
 }
