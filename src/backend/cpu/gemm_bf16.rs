@@ -673,7 +673,7 @@ impl Job<'_> {
                 unsafe {
                     let rows_f32 = self.a.get().add((rb + i0) * self.red);
                     if wide {
-                        convert_wide(rows_f32, self.red, i1 - i0, cp.get().add(i0 * lda) as *mut f32, lda, ep.get().add(i0));
+                        convert_wide(rows_f32, self.red, i1 - i0, cp.get().add(i0 * lda) as *mut f32, ep.get().add(i0));
                     } else {
                         convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
                     }
@@ -909,8 +909,8 @@ unsafe fn convert_strip(a: *const f32, red: usize, rows: usize, q0: usize, kb: u
 /// Rows `0..rows` of A (row stride `red`) rounded to bf16 and written as f32 values, the AVX2
 /// kernel's layout (`dst[r·lda + i]`, lda = 2⌈red/2⌉: an odd reduction's pad zero); `exps[r]` is
 /// row r's smallest `bf16_exp`.
-unsafe fn convert_wide(a: *const f32, red: usize, rows: usize, dst: *mut f32, lda: usize, exps: *mut u8) {
-    debug_assert_eq!(lda, 2 * red.div_ceil(2));
+unsafe fn convert_wide(a: *const f32, red: usize, rows: usize, dst: *mut f32, exps: *mut u8) {
+    let lda = 2 * red.div_ceil(2);
     for r in 0..rows {
         let src = std::slice::from_raw_parts(a.add(r * red), red);
         let d = std::slice::from_raw_parts_mut(dst.add(r * lda) as *mut u32, lda);
@@ -1596,7 +1596,7 @@ mod tests {
         let mut seen = [0usize; 256];
         for chunk in xs.chunks_exact(rows * red).take(20_000) {
             let (mut d, mut exps) = (vec![7f32; rows * (red + 1)], [9u8; 3]);
-            unsafe { convert_wide(chunk.as_ptr(), red, rows, d.as_mut_ptr(), red + 1, exps.as_mut_ptr()) };
+            unsafe { convert_wide(chunk.as_ptr(), red, rows, d.as_mut_ptr(), exps.as_mut_ptr()) };
             for r in 0..rows {
                 let want: Vec<u16> = chunk[r * red..(r + 1) * red].iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
                 let got = &d[r * (red + 1)..(r + 1) * (red + 1)];

@@ -224,14 +224,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
-        ensure!(inv_freq.len() >= g.head_dim / 2, "rope: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+        check_freqs("rope", inv_freq, g)?;
         rope::rope_qkv(qkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, 1.0);
         Ok(())
     }
     fn qk_norm_rope(&self, qkv: &mut CpuBuf, q_norm: &CpuBuf, k_norm: &CpuBuf, eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
         ensure!(qkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope: qkv too small");
-        ensure!(inv_freq.len() >= g.head_dim / 2, "qk_norm_rope: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+        check_freqs("qk_norm_rope", inv_freq, g)?;
         rope::qk_norm_rope(qkv, q_norm, k_norm, eps, positions, inv_freq, g);
         Ok(())
     }
@@ -315,14 +315,14 @@ impl TrainBackend for CpuBackend {
         Ok(())
     }
     fn rope_bwd(&self, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
-        ensure!(inv_freq.len() >= g.head_dim / 2, "rope_bwd: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+        check_freqs("rope_bwd", inv_freq, g)?;
         rope::rope_qkv(dqkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, -1.0);
         Ok(())
     }
     fn qk_norm_rope_bwd(&self, pre: &CpuBuf, q_norm: &CpuBuf, k_norm: &CpuBuf, eps: f32, dqkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         ensure!(q_norm.len() == g.head_dim && k_norm.len() == g.head_dim, "qk_norm_rope_bwd: norm weights of {} and {} for head_dim {}", q_norm.len(), k_norm.len(), g.head_dim);
         ensure!(pre.len() >= positions.len() * g.qkv_dim() && dqkv.len() >= positions.len() * g.qkv_dim(), "qk_norm_rope_bwd: buffers too small");
-        ensure!(inv_freq.len() >= g.head_dim / 2, "qk_norm_rope_bwd: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+        check_freqs("qk_norm_rope_bwd", inv_freq, g)?;
         rope::qk_norm_rope_bwd(pre, q_norm, k_norm, eps, dqkv, positions, inv_freq, g);
         Ok(())
     }
@@ -413,6 +413,12 @@ impl TrainBackend for CpuBackend {
         optim::adamw(p, g, m, v, h);
         Ok(())
     }
+}
+
+/// RoPE's rows of cos/sin take the first `head_dim/2` inverse frequencies.
+fn check_freqs(op: &str, inv_freq: &[f32], g: AttnGeom) -> Result<()> {
+    ensure!(inv_freq.len() >= g.head_dim / 2, "{op}: {} inverse frequencies for head_dim {}", inv_freq.len(), g.head_dim);
+    Ok(())
 }
 
 fn check_seqs(seqs: &[DenseSeq], qkv_len: usize, width: usize) -> Result<()> {

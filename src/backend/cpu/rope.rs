@@ -20,7 +20,7 @@ pub fn rope_cos_sin(pos: u32, inv_freq: &[f32], cos: &mut [f32], sin: &mut [f32]
 
 /// cos/sin of every row of a position list: row i is `[cos; half] ++ [sin; half]` of
 /// `positions[i]` (`rope_cos_sin`'s values, so the same bits).
-pub struct Angles {
+struct Angles {
     positions: Vec<u32>,
     inv_freq: Vec<f32>,
     cs: Vec<f32>,
@@ -39,11 +39,12 @@ thread_local! {
     static LAST: std::cell::RefCell<Option<std::sync::Arc<Angles>>> = const { std::cell::RefCell::new(None) };
 }
 
-/// The angles of `positions`. A step asks for the same list once per layer, forward and
+/// The angles of `positions` for a head of `hd` (the first `hd/2` frequencies). A step asks for the same list once per layer, forward and
 /// backward, so the last list's table is kept (per calling thread) and reused while the
 /// positions and frequencies match: `sin`/`cos` per row and layer were ~half of a decode step's
 /// RoPE time (8 rows: 256 `sincosf` per layer).
-pub fn angles(positions: &[u32], inv_freq: &[f32]) -> std::sync::Arc<Angles> {
+fn angles(positions: &[u32], inv_freq: &[f32], hd: usize) -> std::sync::Arc<Angles> {
+    let inv_freq = &inv_freq[..hd / 2];
     if let Some(a) = LAST.with(|l| l.borrow().clone()) {
         if a.positions == positions && a.inv_freq == inv_freq {
             return a;
@@ -81,7 +82,7 @@ pub fn rope_apply(v: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
 /// RoPE on the q and k parts of fused qkv rows (`qkv_dim` wide), in place.
 pub fn rope_qkv(qkv: &mut [f32], positions: &[u32], inv_freq: &[f32], n_heads: usize, n_kv: usize, hd: usize, sign: f32) {
     let width = (n_heads + 2 * n_kv) * hd;
-    let ang = angles(positions, &inv_freq[..hd / 2]);
+    let ang = angles(positions, inv_freq, hd);
     qkv[..positions.len() * width].par_chunks_mut(width * ROWS_PER_TASK).enumerate().for_each(|(t, rows)| {
         for (i, row) in rows.chunks_exact_mut(width).enumerate() {
             let (cos, sin) = ang.row(t * ROWS_PER_TASK + i);
@@ -95,21 +96,21 @@ pub fn rope_qkv(qkv: &mut [f32], positions: &[u32], inv_freq: &[f32], n_heads: u
 /// Qwen3: per-head RMSNorm of q (weight `qn`) and k (weight `kn`), then RoPE, in place.
 pub fn qk_norm_rope(qkv: &mut [f32], qn: &[f32], kn: &[f32], eps: f32, positions: &[u32], inv_freq: &[f32], g: AttnGeom) {
     let (hd, nh, nkv, width) = (g.head_dim, g.n_heads, g.n_kv_heads, g.qkv_dim());
-    let ang = angles(positions, &inv_freq[..hd / 2]);
+    let ang = angles(positions, inv_freq, hd);
     qkv[..positions.len() * width].par_chunks_mut(width * ROWS_PER_TASK).enumerate().for_each(|(t, rows)| {
-            for (i, row) in rows.chunks_exact_mut(width).enumerate() {
-                let (cos, sin) = ang.row(t * ROWS_PER_TASK + i);
-                for h in 0..nh + nkv {
-                    let w = if h < nh { qn } else { kn };
-                    let v = &mut row[h * hd..(h + 1) * hd];
-                    let s = inv_rms(v, eps);
-                    for (x, &wi) in v.iter_mut().zip(w) {
-                        *x = *x * s * wi;
-                    }
-                    rope_apply(v, cos, sin, 1.0);
+        for (i, row) in rows.chunks_exact_mut(width).enumerate() {
+            let (cos, sin) = ang.row(t * ROWS_PER_TASK + i);
+            for h in 0..nh + nkv {
+                let w = if h < nh { qn } else { kn };
+                let v = &mut row[h * hd..(h + 1) * hd];
+                let s = inv_rms(v, eps);
+                for (x, &wi) in v.iter_mut().zip(w) {
+                    *x = *x * s * wi;
                 }
+                rope_apply(v, cos, sin, 1.0);
             }
-        });
+        }
+    });
 }
 
 /// Backward of [`qk_norm_rope`]: `dqkv`'s q/k heads (gradient w.r.t. the output) become the
@@ -117,7 +118,7 @@ pub fn qk_norm_rope(qkv: &mut [f32], qn: &[f32], kn: &[f32], eps: f32, positions
 pub fn qk_norm_rope_bwd(pre: &[f32], qn: &[f32], kn: &[f32], eps: f32, dqkv: &mut [f32], positions: &[u32], inv_freq: &[f32], g: AttnGeom) {
     let (hd, nh, nkv, width) = (g.head_dim, g.n_heads, g.n_kv_heads, g.qkv_dim());
     let n = positions.len();
-    let ang = angles(positions, &inv_freq[..hd / 2]);
+    let ang = angles(positions, inv_freq, hd);
     dqkv[..n * width]
         .par_chunks_mut(width * ROWS_PER_TASK)
         .zip(pre[..n * width].par_chunks(width * ROWS_PER_TASK))
