@@ -73,7 +73,7 @@ fn prefill_attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention");
     g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(rows as u64)); // tokens
-    // f32, and bf16 (its cache; on CPUs with AMX the tile attention of `attention_amx`)
+    // f32, and bf16 (its cache; on CPUs with AMX or AVX512_BF16 the bf16 attention of `attention_bf16`)
     for (name, be) in [("f32", CpuBackend::new()), ("bf16", CpuBackend::with_weights(WeightDtype::Bf16))] {
         let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
         let slots: Vec<u32> = (0..rows as u32).collect(); // sequence s owns pages s·8 .. s·8+8

@@ -14,7 +14,7 @@
 //!
 //! Element type (`KvElem`): f32 with `--dtype f32`, bf16 with `--dtype bf16` (as on CUDA: K and V
 //! rounded to nearest even when stored, widened to f32 when read; scores, softmax and sums f32).
-use super::attention_amx as amx;
+use super::attention_bf16 as bf16_attn;
 use super::matmul::{gemm_raw, SendPtr};
 use crate::backend::{AttnGeom, AttnSeq};
 use rayon::prelude::*;
@@ -23,7 +23,7 @@ use rayon::prelude::*;
 /// policy: half the bytes every decode step streams; values rounded once, to nearest even, as
 /// they are stored; the arithmetic stays f32).
 pub trait KvElem: Copy + Default + Send + Sync + 'static {
-    /// bf16 pages: fed rows run on AMX tiles where the CPU has them (`attention_amx`).
+    /// bf16 pages: fed rows run on bf16 operands where the CPU has AMX or AVX512_BF16 (`attention_bf16`).
     const BF16: bool;
     /// `x` as stored (bf16: rounded to nearest even).
     fn round(x: f32) -> Self;
@@ -294,11 +294,11 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = &seqs[si];
-        // bf16 on AMX: fed rows on tiles, sampled rows direct, whatever their number (a row's
+        // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct, whatever their number (a row's
         // bits must not depend on how a prompt was chunked); otherwise both kernels give the
         // same bits and the row count chooses
-        let tiles = T::BF16 && amx::usable(hd);
-        if (tiles && s.sampled) || (!tiles && s.n_q <= DIRECT_MAX_Q) {
+        let bf16_rows = T::BF16 && bf16_attn::usable(hd);
+        if (bf16_rows && s.sampled) || (!bf16_rows && s.n_q <= DIRECT_MAX_Q) {
             // decode rows: read keys/values straight from the pages (no gather copy), once for
             // all query heads of the group
             for r in 0..s.n_q {
@@ -311,8 +311,8 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
             return;
         }
         let n = s.ctx_len;
-        if tiles {
-            return amx::with_scratch(|kt, vp, sc| kv.prefill_amx(layer, qkv, s, kvh, kt, vp, sc, &outp));
+        if bf16_rows {
+            return bf16_attn::with_scratch(|kt, vp, sc| kv.prefill_bf16(layer, qkv, s, kvh, kt, vp, sc, &outp));
         }
         // Kᵀ [hd, n], row-major (as the pages hold it): the score GEMM packs its B panels by
         // plain row copies instead of a strided transpose per query block.
@@ -356,11 +356,11 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
 }
 
 impl<T: KvElem> KvPages<T> {
-    /// Prefill rows of one (sequence, kv head) on AMX tiles (`attention_amx`: Q and the softmax
+    /// Prefill rows of one (sequence, kv head) on bf16 operands (`attention_bf16`: Q and the softmax
     /// numerators rounded to bf16, as the CUDA backend's tensor-core attention does); K and V are
     /// packed straight from the pages.
     #[allow(clippy::too_many_arguments)]
-    fn prefill_amx(
+    fn prefill_bf16(
         &self,
         layer: usize,
         qkv: &[f32],
@@ -368,7 +368,7 @@ impl<T: KvElem> KvPages<T> {
         kvh: usize,
         kt: &mut Vec<u32>,
         vp: &mut Vec<u32>,
-        sc: &mut amx::Scratch,
+        sc: &mut bf16_attn::Scratch,
         outp: &SendPtr<f32>,
     ) {
         let g = self.geom;
@@ -377,12 +377,12 @@ impl<T: KvElem> KvPages<T> {
         let scale = 1.0 / (hd as f32).sqrt();
         let (kb, vb) = (block(&g, layer, 0, kvh), block(&g, layer, 1, kvh));
         // Kᵀ panels: word (pair q, key j) = K[j][2q], K[j][2q+1]; V panels: word (pair q of keys,
-        // column c) = V[2q][c], V[2q+1][c] (see attention_amx's operand layout)
-        let (kp, np) = (hd / 2, n.next_multiple_of(amx::T) / 2);
+        // column c) = V[2q][c], V[2q+1][c] (see attention_bf16's operand layout)
+        let (kp, np) = (hd / 2, n.next_multiple_of(bf16_attn::T) / 2);
         kt.clear();
-        kt.resize(n.div_ceil(amx::T) * kp * amx::T, 0);
+        kt.resize(n.div_ceil(bf16_attn::T) * kp * bf16_attn::T, 0);
         vp.clear();
-        vp.resize(hd / amx::T * np * amx::T, 0);
+        vp.resize(hd / bf16_attn::T * np * bf16_attn::T, 0);
         assert!(
             n.div_ceil(ps) <= s.pages.len(),
             "sequence has {n} tokens but only {} pages",
@@ -391,21 +391,21 @@ impl<T: KvElem> KvPages<T> {
         for j in 0..n {
             let page = self.page(s.pages[j / ps]);
             let (keys, vals) = (&page[kb..], &page[vb + (j % ps) * hd..][..hd]);
-            let kt_j = &mut kt[(j / amx::T) * kp * amx::T + j % amx::T..];
+            let kt_j = &mut kt[(j / bf16_attn::T) * kp * bf16_attn::T + j % bf16_attn::T..];
             for q in 0..kp {
-                kt_j[q * amx::T] = keys[2 * q * ps + j % ps].bits() as u32
+                kt_j[q * bf16_attn::T] = keys[2 * q * ps + j % ps].bits() as u32
                     | (keys[(2 * q + 1) * ps + j % ps].bits() as u32) << 16;
             }
             // value row j is the low (j even) or high half of its pair's words
             let shift = 16 * (j % 2);
             for (c, v) in vals.iter().enumerate() {
-                vp[(c / amx::T) * np * amx::T + (j / 2) * amx::T + c % amx::T] |=
+                vp[(c / bf16_attn::T) * np * bf16_attn::T + (j / 2) * bf16_attn::T + c % bf16_attn::T] |=
                     (v.bits() as u32) << shift;
             }
         }
-        let tiles = amx::Tiles::new();
+        let pr = bf16_attn::Products::new();
         let qs = (s.q_row, s.n_q, n - s.n_q);
-        amx::forward_rows(&tiles, kt, vp, np * amx::T, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
+        bf16_attn::forward_rows(&pr, kt, vp, np * bf16_attn::T, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
             // Safety: rows of this sequence, columns of this kv group's heads: this task's only
             unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) }
         }, |_, _, _| {});
@@ -731,7 +731,7 @@ decode_kernels!(x256, "avx2,fma", __m256, 8, 3, _mm256_setzero_ps, _mm256_set1_p
 
 /// Ask L2 for the `n` elements at `p` (one prefetch per 64-byte line; a no-op elsewhere).
 #[inline(always)]
-fn prefetch_l2<T>(p: *const T, n: usize) {
+pub(crate) fn prefetch_l2<T>(p: *const T, n: usize) {
     #[cfg(target_arch = "x86_64")]
     for i in (0..n).step_by(64 / std::mem::size_of::<T>()) {
         // Safety: prefetch never faults; the address is only a hint.
@@ -757,7 +757,7 @@ mod tests {
 
     /// Causal GQA attention in f64 for the last `n_q` rows of a sequence whose K and V are `qkv`
     /// rows `row0..row0 + len` (K and V rounded to bf16 first when `bf16`).
-    /// With `round_q` the queries are rounded to bf16 too (the AMX prefill's operands).
+    /// With `round_q` the queries are rounded to bf16 too (the bf16 prefill's operands).
     fn reference(qkv: &[f32], g: AttnGeom, row0: usize, len: usize, n_q: usize, bf16: bool, round_q: bool) -> Vec<f64> {
         let (w, hd, group) = (g.qkv_dim(), g.head_dim, g.n_heads / g.n_kv_heads);
         let kvv = |x: f32| if bf16 { f32::from_bits((f32_to_bf16_bits(x) as u32) << 16) as f64 } else { x as f64 };
@@ -901,11 +901,11 @@ mod tests {
                 let mut out = vec![f32::NAN; rows * g.q_dim()];
                 attention(&kv, 0, &qkv, &seqs, &mut out);
                 for i in 0..lens.len() {
-                    // fed rows of bf16 on AMX round Q (in the reference too) and the softmax
+                    // fed rows of bf16 on `attention_bf16` round Q (in the reference too) and the softmax
                     // numerators (each by ≤ 2⁻⁸ relative, so the output by ≤ 2⁻⁸·max|v| = 2⁻⁷)
-                    let amx = bf16 && !seqs[i].sampled && amx::usable(hd);
-                    let tol = if amx { 2f64.powi(-7) + 2e-5 } else { 2e-5 };
-                    let want = reference(&qkv, g, starts[i], lens[i], n_q[i], bf16, amx);
+                    let rounded = bf16 && !seqs[i].sampled && bf16_attn::usable(hd);
+                    let tol = if rounded { 2f64.powi(-7) + 2e-5 } else { 2e-5 };
+                    let want = reference(&qkv, g, starts[i], lens[i], n_q[i], bf16, rounded);
                     let got = &out[(starts[i] + lens[i] - n_q[i]) * g.q_dim()..][..n_q[i] * g.q_dim()];
                     let err = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0f64, f64::max);
                     assert!(err < tol, "hd {hd}, heads {n_heads}/{n_kv}, pages of {ps}, bf16 {bf16}, sequence {i} (len {}, {} rows): max error {err:.2e}", lens[i], n_q[i]);

@@ -3,8 +3,8 @@
 //! straight from the fused `qkv` rows (strided GEMMs, no gather), in tiles of `BQ` query rows ×
 //! the visible keys, so only a `[BQ, ctx]` score tile exists at a time. The forward keeps each
 //! row's log-sum-exp; the backward recomputes `P = exp(S − lse)` from it (flash-attention style).
-use super::attention::{stack_group, unstack_group};
-use super::attention_amx as amx;
+use super::attention::{prefetch_l2, stack_group, unstack_group};
+use super::attention_bf16 as bf16_attn;
 use super::matmul::{gemm_raw, SendPtr};
 use super::memory::transpose;
 use super::simd::{dot, exp_scaled_sub, exp_sub_sum, simd_kernel};
@@ -30,11 +30,11 @@ simd_kernel! {
     }
 }
 
-/// `bf16`: `--dtype bf16`, whose attention runs on AMX tiles where the CPU has them
-/// (`attention_amx`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
+/// `bf16`: `--dtype bf16`, whose attention runs on bf16 operands where the CPU has AMX or
+/// AVX512_BF16 (`attention_bf16`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
 pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32], bf16: bool) {
-    if bf16 && amx::usable(g.head_dim) {
-        return attn_dense_amx(qkv, seqs, g, out, lse);
+    if bf16 && bf16_attn::usable(g.head_dim) {
+        return attn_dense_bf16(qkv, seqs, g, out, lse);
     }
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
@@ -86,9 +86,9 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
     });
 }
 
-/// `attn_dense` on AMX tiles: per (sequence, kv head) K and V packed once, then blocks of `BQ`
-/// query rows of all the group's heads (`attention_amx::forward`).
-fn attn_dense_amx(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
+/// `attn_dense` on bf16 operands: per (sequence, kv head) K and V packed once, then blocks of `BQ`
+/// query rows of all the group's heads (`attention_bf16::forward`).
+fn attn_dense_bf16(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
     let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
@@ -99,26 +99,26 @@ fn attn_dense_amx(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
         let n = s.len;
-        amx::with_scratch(|kt, vp, sc| {
-            let tiles = amx::Tiles::new();
+        bf16_attn::with_scratch(|kt, vp, sc| {
+            let pr = bf16_attn::Products::new();
             let kcol = q_dim + kvh * hd;
-            amx::pack_panels_rows(kt, n, hd, |j| &qkv[(s.row0 + j) * width + kcol..][..hd]);
-            let vs = amx::pack_panels_cols(vp, n, hd, |j| {
+            bf16_attn::pack_panels_rows(kt, n, hd, |j| &qkv[(s.row0 + j) * width + kcol..][..hd]);
+            let vs = bf16_attn::pack_panels_cols(vp, n, hd, |j| {
                 &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd]
             });
             // Safety (both writers): rows of this sequence, heads of this kv group: this task's only
             let out_at = |row: usize, h: usize, o: &[f32]| unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) };
             let lse_at = |row: usize, h: usize, v: f32| unsafe { *lsep.get().add(row * nh + h) = v };
-            amx::forward_rows(&tiles, kt, vp, vs, hd, (qkv, width), (s.row0, n, 0), (kvh * group, group, BQ), scale, sc, out_at, lse_at);
+            bf16_attn::forward_rows(&pr, kt, vp, vs, hd, (qkv, width), (s.row0, n, 0), (kvh * group, group, BQ), scale, sc, out_at, lse_at);
         });
     });
 }
 
-/// `bf16`: as in `attn_dense` (the tiles' backward: `attention_amx::backward`).
+/// `bf16`: as in `attn_dense` (`attention_bf16::backward`).
 #[allow(clippy::too_many_arguments)]
 pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32], bf16: bool) {
-    if bf16 && amx::usable(g.head_dim) {
-        return attn_dense_bwd_amx(qkv, out, dout, lse, seqs, g, dqkv);
+    if bf16 && bf16_attn::usable(g.head_dim) {
+        return attn_dense_bwd_bf16(qkv, out, dout, lse, seqs, g, dqkv);
     }
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
@@ -189,10 +189,10 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
     });
 }
 
-/// `attn_dense_bwd` on AMX tiles: per (sequence, kv head) K and V packed once, then blocks of `BQ`
-/// query rows of all the group's heads (`attention_amx::backward`); dK and dV accumulate over the
+/// `attn_dense_bwd` on bf16 operands: per (sequence, kv head) K and V packed once, then blocks of `BQ`
+/// query rows of all the group's heads (`attention_bf16::backward`); dK and dV accumulate over the
 /// blocks in f32 and are written once at the end.
-fn attn_dense_bwd_amx(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
+fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
     let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
@@ -205,12 +205,12 @@ fn attn_dense_bwd_amx(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
         let kcol = q_dim + kvh * hd;
         let krow = |j: usize| &qkv[(s.row0 + j) * width + kcol..][..hd];
         let vrow = |j: usize| &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd];
-        amx::with_bwd_scratch(|sc| {
-            let tiles = amx::Tiles::new();
-            amx::pack_panels_rows(&mut sc.kt, n, hd, krow);
-            amx::pack_panels_rows(&mut sc.vt, n, hd, vrow);
-            let ks = amx::pack_panels_cols(&mut sc.kc, n, hd, krow);
-            let ld = n.next_multiple_of(amx::T);
+        bf16_attn::with_bwd_scratch(|sc| {
+            let pr = bf16_attn::Products::new();
+            bf16_attn::pack_panels_rows(&mut sc.kt, n, hd, krow);
+            bf16_attn::pack_panels_rows(&mut sc.vt, n, hd, vrow);
+            let ks = bf16_attn::pack_panels_cols(&mut sc.kc, n, hd, krow);
+            let ld = n.next_multiple_of(bf16_attn::T);
             for acc in [&mut sc.dkt, &mut sc.dvt] {
                 acc.clear();
                 acc.resize(hd * ld, 0.0);
@@ -242,14 +242,23 @@ fn attn_dense_bwd_amx(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
                     // written by this task only
                     unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dp.get().add(row * width + h * hd), hd) };
                 };
-                amx::backward(&tiles, sc, ks, hd, ld, group * bq, q, d_o, o, l, |i| r0 + i % bq + 1, scale, dq);
+                // the next block's rows of Q, dO, O and dQ (strided, so beyond the hardware
+                // prefetchers) come from memory while this block computes
+                for r in s.row0 + r0 + bq..s.row0 + (r0 + bq + BQ).min(n) {
+                    let c = kvh * group * hd;
+                    prefetch_l2(qkv[r * width + c..].as_ptr(), group * hd);
+                    prefetch_l2(dout[r * q_dim + c..].as_ptr(), group * hd);
+                    prefetch_l2(out[r * q_dim + c..].as_ptr(), group * hd);
+                    prefetch_l2(dp.get().wrapping_add(r * width + c), group * hd);
+                }
+                bf16_attn::backward(&pr, sc, ks, hd, ld, group * bq, q, d_o, o, l, |i| r0 + i % bq + 1, scale, dq);
                 r0 += bq;
             }
             // Safety: this sequence's rows, this kv head's K and V columns: this task's only
             unsafe {
                 let dk = dp.get().add(s.row0 * width + kcol);
-                transpose(sc.dkt.as_ptr(), ld, hd, n, dk, width);
-                transpose(sc.dvt.as_ptr(), ld, hd, n, dk.add(kv_dim), width);
+                bf16_attn::transpose_out(&sc.dkt, ld, hd, n, dk, width);
+                bf16_attn::transpose_out(&sc.dvt, ld, hd, n, dk.add(kv_dim), width);
             }
         });
     });

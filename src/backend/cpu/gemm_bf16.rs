@@ -213,6 +213,12 @@ pub fn native_available() -> bool {
     }
 }
 
+/// Whether `Kernel::Auto` runs `vdpbf16ps` here (AVX512_BF16, `INFOMEM_BF16_PORTABLE` unset):
+/// also what lets the bf16 attention run its products on it where AMX is missing.
+pub fn vdp_available() -> bool {
+    native_available() && !forced_portable()
+}
+
 /// Whether this CPU runs the AVX2 kernel (AVX2 and FMA).
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -1139,6 +1145,43 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
 /// on the other rows, so batches equal their rows one by one). Stable Rust has no AMX intrinsics:
 /// the instructions are written as inline assembly; the tile registers are not known to the
 /// compiler, which never uses them.
+/// `C = A · B` on the `vdpbf16ps` kernel, for operands in the AMX layout (`attention_bf16`): A's
+/// first `m` rows of `pairs` pair words (row stride `lda`), `panels` panels of B (`pstride` words
+/// apart, `[pairs][NR]` each), C's `m` × `panels·NR` block stored (row stride `ldc`). One k
+/// block from +0, so each element is the kernel's pair sequence over `pairs` (the module doc),
+/// whatever `m` and its row's place in it. Strips of MR rows under one panel at a time (the
+/// panel stays in L1 while the strips pass).
+///
+/// # Safety
+/// AVX512_BF16 present; the extents are inside the caller's buffers.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn vdp_product(a: *const u32, lda: usize, m: usize, b: *const u32, pstride: usize, panels: usize, pairs: usize, c: *mut f32, ldc: usize) {
+    for p in 0..panels {
+        let mut i = 0;
+        while i < m {
+            let rows = MR.min(m - i);
+            let t = Tile {
+                a: a.add(i * lda),
+                lda,
+                wide: false,
+                exact: false,
+                b: b.add(p * pstride),
+                pstride,
+                kb: pairs,
+                c: c.add(i * ldc + p * NR),
+                ldc,
+                cols: NR,
+                overwrite: true,
+                bias: std::ptr::null(),
+                first: false,
+            };
+            avx512::dispatch::<false>(&t, rows, 1);
+            i += rows;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx {
     use super::{AMX_MR, NR};

@@ -3,7 +3,7 @@
 //! (forward and backward together, the table in `backend/mod.rs`); this file only routes the
 //! trait methods to them.
 pub mod attention;
-pub mod attention_amx;
+pub mod attention_bf16;
 pub mod attention_dense;
 pub mod buf;
 #[cfg(target_arch = "x86_64")]

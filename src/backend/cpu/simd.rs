@@ -239,7 +239,7 @@ fn exp_lane(x: f32) -> f32 {
 }
 
 /// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the AMX attention's
-/// softmax pass, `attention_amx`). Callers must have AVX-512F (checked at run time there).
+/// softmax pass, `attention_bf16`). Callers must have AVX-512F (checked at run time there).
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
