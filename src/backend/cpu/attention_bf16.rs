@@ -35,6 +35,7 @@ use std::cell::RefCell;
 /// Keys (or columns) per panel, rows per strip: the 32 × 32 sums of one AMX block (and the
 /// `vdpbf16ps` kernel's panel width).
 pub const T: usize = 32;
+const _: () = assert!(T == super::gemm_bf16::NR, "the attention's panels are the GEMM kernels' panels");
 
 /// Whether this attention runs for heads of `hd`: on AMX tiles, or on `vdpbf16ps` where AMX is
 /// missing (`gemm_bf16::vdp_available`).
@@ -55,7 +56,8 @@ pub fn to_pairs(src: &[f32], dst: &mut [u32]) {
     let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
     let n = src.len().min(d.len());
     #[cfg(target_arch = "x86_64")]
-    // Safety: AVX-512F/BW are present wherever this attention runs (`usable`: AMX or AVX512_BF16); n fits both slices.
+    // Safety: AVX-512F/BW/VL are present wherever this attention runs (`usable`: AMX or
+    // AVX512_BF16, `simd::has_avx512bf16`); n fits both slices.
     unsafe {
         x512::to_bf16(src.as_ptr(), d.as_mut_ptr(), n)
     }
@@ -73,7 +75,8 @@ fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) 
     let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
     assert!(d.len() >= row.len());
     #[cfg(target_arch = "x86_64")]
-    // Safety: AVX-512F/BW are present wherever this attention runs (`usable`); `d` holds `row.len()` halves.
+    // Safety: AVX-512F/BW/VL are present wherever this attention runs (`usable`); `d` holds
+    // `row.len()` halves.
     unsafe {
         x512::softmax_row::<WRITE>(row.as_mut_ptr(), row.len(), scale, d.as_mut_ptr())
     }
@@ -377,6 +380,7 @@ pub struct Products {
 impl Products {
     #[allow(clippy::new_without_default)] // configuring tiles is not a default value
     pub fn new() -> Self {
+        assert!(amx_available() || vdp_available(), "bf16 attention: neither AMX nor AVX512_BF16 on this CPU (check `usable` first)");
         let amx = amx_available();
         #[cfg(target_arch = "x86_64")]
         if amx {
@@ -399,11 +403,11 @@ impl Drop for Products {
 
 /// `C = A · B` for A's first `m` rows (`a`: strips of 32 rows, `lda` words per row) and B's first
 /// `panels` panels (`pstride` words apart), over `pairs` pairs (a multiple of 16), stored into `c`
-/// (row stride `ldc`): whole 32 × 32 blocks, so `c` holds `m` rounded up to 32 rows (A's zero
-/// rows give zero rows).
+/// (row stride `ldc`), which holds `m` rounded up to 32 rows: AMX stores whole 32 × 32 blocks (A's
+/// zero rows give zero rows), `vdpbf16ps` the first `m` rows only; callers read those.
 #[allow(clippy::too_many_arguments)]
 pub fn product(
-    t: &Products,
+    pr: &Products,
     a: &[u32],
     lda: usize,
     m: usize,
@@ -424,14 +428,15 @@ pub fn product(
     );
     #[cfg(target_arch = "x86_64")]
     {
-        if !t.amx {
-            // Safety: `usable()` (AVX512_BF16 without AMX); the extents are asserted above.
-            unsafe { super::gemm_bf16::vdp_product(a.as_ptr(), lda, mp, b.as_ptr(), pstride, panels, pairs, c.as_mut_ptr(), ldc) };
+        if !pr.amx {
+            // Safety: `Products::new` asserted AVX512_BF16 (no AMX here); the extents are
+            // asserted above.
+            unsafe { super::gemm_bf16::vdp_product(a.as_ptr(), lda, m, b.as_ptr(), pstride, panels, pairs, c.as_mut_ptr(), ldc) };
             return;
         }
         for s in (0..m).step_by(T) {
             for p in 0..panels {
-                // Safety: the tiles are configured (`t`); the strip's 32 rows × `pairs` words, the
+                // Safety: the tiles are configured (`pr`); the strip's 32 rows × `pairs` words, the
                 // panel's `pairs` × 32 words and the 32 × 32 block of C are inside the slices (asserted).
                 unsafe {
                     amx::block_to(
@@ -484,7 +489,7 @@ pub struct Scratch {
 /// in `sc.o[i·hd..][..hd]` and calls `lse(i, log-sum-exp of its scaled scores)`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<'a>(
-    t: &Products,
+    pr: &Products,
     kt: &[u32],
     v: &[u32],
     v_stride: usize,
@@ -502,7 +507,7 @@ pub fn forward<'a>(
     let hp = pack_rows(&mut sc.qa, m, hd, q);
     // S = Q Kᵀ
     sc.s.resize(mp * kpad, 0.0);
-    product(t, &sc.qa, hp, m, kt, hp * T, kpad / T, hp, &mut sc.s, kpad);
+    product(pr, &sc.qa, hp, m, kt, hp * T, kpad / T, hp, &mut sc.s, kpad);
     // numerators e = exp(scale·s − max) in f32, rounded to bf16 as P·V's A operand; their f32 sum
     // normalises the output
     let kp = kpad / 2;
@@ -521,7 +526,7 @@ pub fn forward<'a>(
     }
     // O = E V / sum
     sc.o.resize(mp * hd, 0.0);
-    product(t, &sc.pa, kp, m, v, v_stride, hd / T, kp, &mut sc.o, hd);
+    product(pr, &sc.pa, kp, m, v, v_stride, hd / T, kp, &mut sc.o, hd);
     for (o, &inv) in sc.o.chunks_exact_mut(hd).zip(&sc.inv) {
         o.iter_mut().for_each(|x| *x *= inv);
     }
@@ -534,7 +539,7 @@ pub fn forward<'a>(
 /// being the qkv row.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_rows(
-    t: &Products,
+    pr: &Products,
     kt: &[u32],
     v: &[u32],
     v_stride: usize,
@@ -561,7 +566,7 @@ pub fn forward_rows(
             let (row, h) = at(i);
             &qkv[row * width + h * hd..][..hd]
         };
-        forward(t, kt, v, v_stride, hd, group * bq, q, |i| first_pos + r0 + i % bq + 1, scale, sc, |i, x| {
+        forward(pr, kt, v, v_stride, hd, group * bq, q, |i| first_pos + r0 + i % bq + 1, scale, sc, |i, x| {
             let (row, h) = at(i);
             lse(row, h, x)
         });
@@ -644,7 +649,7 @@ fn pack_transposed<'a>(dst: &mut Vec<u32>, m: usize, width: usize, row: impl Fn(
 /// to bf16 as they enter a product, the accumulators are f32.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<'a>(
-    t: &Products,
+    pr: &Products,
     sc: &mut BwdScratch,
     kc_stride: usize,
     hd: usize,
@@ -666,8 +671,8 @@ pub fn backward<'a>(
     // S = Q Kᵀ (into p), dP = dO Vᵀ (into ds)
     sc.p.resize(mp * kpad, 0.0);
     sc.ds.resize(mp * kpad, 0.0);
-    product(t, &sc.qa, hp, m, &sc.kt, hp * T, kpad / T, hp, &mut sc.p, kpad);
-    product(t, &sc.doa, hp, m, &sc.vt, hp * T, kpad / T, hp, &mut sc.ds, kpad);
+    product(pr, &sc.qa, hp, m, &sc.kt, hp * T, kpad / T, hp, &mut sc.p, kpad);
+    product(pr, &sc.doa, hp, m, &sc.vt, hp * T, kpad / T, hp, &mut sc.ds, kpad);
     // P = exp(scale·S − lse), dS = P ∘ (dP − dO·O), zero past the visible keys and the rows; dS
     // as pair words along the keys (dQ's A operand), P and dS zipped across row pairs (the B
     // operands of dVᵀ and dKᵀ), in one pass over each pair of rows
@@ -700,7 +705,7 @@ pub fn backward<'a>(
     }
     // dQ = scale · dS K
     sc.dq.resize(mp * hd, 0.0);
-    product(t, &sc.dsa, kp, m, &sc.kc, kc_stride, hd / T, kp, &mut sc.dq, hd);
+    product(pr, &sc.dsa, kp, m, &sc.kc, kc_stride, hd / T, kp, &mut sc.dq, hd);
     for i in 0..m {
         let row = &mut sc.dq[i * hd..(i + 1) * hd];
         row.iter_mut().for_each(|x| *x *= scale);
@@ -711,13 +716,13 @@ pub fn backward<'a>(
     pack_transposed(&mut sc.dot, m, hd, &dout);
     let zs = wp * T;
     sc.dkv.resize(hd.next_multiple_of(T) * kpad, 0.0);
-    product(t, &sc.qt, wp, hd, &sc.dsz, zs, kpad / T, wp, &mut sc.dkv, kpad);
+    product(pr, &sc.qt, wp, hd, &sc.dsz, zs, kpad / T, wp, &mut sc.dkv, kpad);
     for c in 0..hd {
         for (a, &b) in sc.dkt[c * ld..c * ld + kpad].iter_mut().zip(&sc.dkv[c * kpad..(c + 1) * kpad]) {
             *a += scale * b;
         }
     }
-    product(t, &sc.dot, wp, hd, &sc.pz, zs, kpad / T, wp, &mut sc.dkv, kpad);
+    product(pr, &sc.dot, wp, hd, &sc.pz, zs, kpad / T, wp, &mut sc.dkv, kpad);
     for c in 0..hd {
         for (a, &b) in sc.dvt[c * ld..c * ld + kpad].iter_mut().zip(&sc.dkv[c * kpad..(c + 1) * kpad]) {
             *a += b;
@@ -729,10 +734,12 @@ pub fn backward<'a>(
 /// accumulators back to rows of keys (16 × 16 blocks in registers, the edges one by one).
 ///
 /// # Safety
-/// `dst` holds `cols` rows of `ldd` from which `rows` values are written; nothing else aliases them.
+/// AVX-512F (wherever `usable`); `dst` holds `cols` rows of `ldd` from which `rows` values are
+/// written; nothing else aliases them.
 pub unsafe fn transpose_out(src: &[f32], lds: usize, rows: usize, cols: usize, dst: *mut f32, ldd: usize) {
     assert!(rows == 0 || src.len() >= (rows - 1) * lds + cols);
-    let (r16, c16) = (rows & !15, cols & !15);
+    // the part the register blocks write (none off x86_64: the edge loop then does it all)
+    let (r16, c16) = if cfg!(target_arch = "x86_64") { (rows & !15, cols & !15) } else { (0, 0) };
     #[cfg(target_arch = "x86_64")]
     for c0 in (0..r16).step_by(16) {
         for j0 in (0..c16).step_by(16) {

@@ -1138,16 +1138,10 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
     }
 }
 
-/// The AMX microkernel (`tdpbf16ps`: per output element and 16-pair step, the 32 products of a
-/// tile row with a tile column summed into the f32 accumulator; the hardware's order and internal
-/// precision are not those of `vdpbf16ps`, so AMX results differ from the other kernels' in the
-/// last bits, measured within the same bf16 bounds; each element's operations still do not depend
-/// on the other rows, so batches equal their rows one by one). Stable Rust has no AMX intrinsics:
-/// the instructions are written as inline assembly; the tile registers are not known to the
-/// compiler, which never uses them.
 /// `C = A · B` on the `vdpbf16ps` kernel, for operands in the AMX layout (`attention_bf16`): A's
 /// first `m` rows of `pairs` pair words (row stride `lda`), `panels` panels of B (`pstride` words
-/// apart, `[pairs][NR]` each), C's `m` × `panels·NR` block stored (row stride `ldc`). One k
+/// apart, `[pairs][NR]` each), C's `m` × `panels·NR` block stored (row stride `ldc`; its rows
+/// past `m` untouched). One k
 /// block from +0, so each element is the kernel's pair sequence over `pairs` (the module doc),
 /// whatever `m` and its row's place in it. Strips of MR rows under one panel at a time (the
 /// panel stays in L1 while the strips pass).
@@ -1182,6 +1176,13 @@ pub(crate) unsafe fn vdp_product(a: *const u32, lda: usize, m: usize, b: *const 
     }
 }
 
+/// The AMX microkernel (`tdpbf16ps`: per output element and 16-pair step, the 32 products of a
+/// tile row with a tile column summed into the f32 accumulator; the hardware's order and internal
+/// precision are not those of `vdpbf16ps`, so AMX results differ from the other kernels' in the
+/// last bits, measured within the same bf16 bounds; each element's operations still do not depend
+/// on the other rows, so batches equal their rows one by one). Stable Rust has no AMX intrinsics:
+/// the instructions are written as inline assembly; the tile registers are not known to the
+/// compiler, which never uses them.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx {
     use super::{AMX_MR, NR};
@@ -1322,7 +1323,7 @@ pub(crate) mod amx {
     }
 }
 
-/// `f32_to_bf16_bits` on 16 lanes (for the AMX attention's operands).
+/// `f32_to_bf16_bits` on 16 lanes (for the bf16 attention's operands).
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx512::round16;
 

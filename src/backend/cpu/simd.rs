@@ -23,13 +23,14 @@ pub fn has_avx512f() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
 }
 
-/// Whether the CPU has AVX512_BF16 (with AVX-512F/BW) (asked once): the bf16 GEMM's `vdpbf16ps`
-/// microkernel (`gemm_bf16`) needs it.
+/// Whether the CPU has AVX512_BF16 (with AVX-512F/BW/VL, which every CPU with it has; a VM may
+/// hide a bit) (asked once): the bf16 GEMM's `vdpbf16ps` microkernel (`gemm_bf16`) needs it, and
+/// the bf16 attention's 256-bit masked stores (`attention_bf16`) need VL.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512bf16() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16"))
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bf16"))
 }
 
 /// Define a slice kernel whose body is compiled twice, for the baseline target and with AVX2+FMA
@@ -238,8 +239,8 @@ fn exp_lane(x: f32) -> f32 {
     y * e
 }
 
-/// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the AMX attention's
-/// softmax pass, `attention_bf16`). Callers must have AVX-512F (checked at run time there).
+/// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the bf16 attention's
+/// softmax and backward passes, `attention_bf16`). Callers must have AVX-512F (checked at run time there).
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
