@@ -294,9 +294,9 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = &seqs[si];
-        // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct, whatever their number (a row's
-        // bits must not depend on how a prompt was chunked); otherwise both kernels give the
-        // same bits and the row count chooses
+        // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct,
+        // whatever their number (a row's bits must not depend on how a prompt was chunked);
+        // otherwise both kernels give the same bits and the row count chooses
         let bf16_rows = T::BF16 && bf16_attn::usable(hd);
         if (bf16_rows && s.sampled) || (!bf16_rows && s.n_q <= DIRECT_MAX_Q) {
             // decode rows: read keys/values straight from the pages (no gather copy), once for
@@ -377,12 +377,13 @@ impl<T: KvElem> KvPages<T> {
         let scale = 1.0 / (hd as f32).sqrt();
         let (kb, vb) = (block(&g, layer, 0, kvh), block(&g, layer, 1, kvh));
         // Kᵀ panels: word (pair q, key j) = K[j][2q], K[j][2q+1]; V panels: word (pair q of keys,
-        // column c) = V[2q][c], V[2q+1][c] (see attention_bf16's operand layout)
-        let (kp, np) = (hd / 2, n.next_multiple_of(bf16_attn::T) / 2);
+        // column c) = V[2q][c], V[2q+1][c] (see attention_bf16's operand layout); panels of pw
+        let pw = bf16_attn::T;
+        let (kp, np) = (hd / 2, n.next_multiple_of(pw) / 2);
         kt.clear();
-        kt.resize(n.div_ceil(bf16_attn::T) * kp * bf16_attn::T, 0);
+        kt.resize(n.div_ceil(pw) * kp * pw, 0);
         vp.clear();
-        vp.resize(hd / bf16_attn::T * np * bf16_attn::T, 0);
+        vp.resize(hd / pw * np * pw, 0);
         assert!(
             n.div_ceil(ps) <= s.pages.len(),
             "sequence has {n} tokens but only {} pages",
@@ -391,21 +392,21 @@ impl<T: KvElem> KvPages<T> {
         for j in 0..n {
             let page = self.page(s.pages[j / ps]);
             let (keys, vals) = (&page[kb..], &page[vb + (j % ps) * hd..][..hd]);
-            let kt_j = &mut kt[(j / bf16_attn::T) * kp * bf16_attn::T + j % bf16_attn::T..];
+            let kt_j = &mut kt[(j / pw) * kp * pw + j % pw..];
             for q in 0..kp {
-                kt_j[q * bf16_attn::T] = keys[2 * q * ps + j % ps].bits() as u32
+                kt_j[q * pw] = keys[2 * q * ps + j % ps].bits() as u32
                     | (keys[(2 * q + 1) * ps + j % ps].bits() as u32) << 16;
             }
             // value row j is the low (j even) or high half of its pair's words
             let shift = 16 * (j % 2);
             for (c, v) in vals.iter().enumerate() {
-                vp[(c / bf16_attn::T) * np * bf16_attn::T + (j / 2) * bf16_attn::T + c % bf16_attn::T] |=
+                vp[(c / pw) * np * pw + (j / 2) * pw + c % pw] |=
                     (v.bits() as u32) << shift;
             }
         }
         let pr = bf16_attn::Products::new();
         let qs = (s.q_row, s.n_q, n - s.n_q);
-        bf16_attn::forward_rows(&pr, kt, vp, np * bf16_attn::T, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
+        bf16_attn::forward_rows(&pr, kt, vp, np * pw, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
             // Safety: rows of this sequence, columns of this kv group's heads: this task's only
             unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) }
         }, |_, _, _| {});

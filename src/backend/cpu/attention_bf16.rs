@@ -233,32 +233,19 @@ mod x512 {
     #[target_feature(enable = "avx512f,avx512bw")]
     pub unsafe fn zip_transposed(lo: &[*const f32; 16], hi: &[*const f32; 16], dst: *mut u32, ldd: usize) {
         let load = |p: *const f32| if p.is_null() { _mm512_setzero_si512() } else { round16(_mm512_loadu_si512(p as *const _)) };
-        let mut r = [_mm512_setzero_si512(); 16];
-        for (j, v) in r.iter_mut().enumerate() {
-            *v = _mm512_or_si512(load(lo[j]), _mm512_slli_epi32::<16>(load(hi[j])));
-        }
-        transpose_regs(&mut r);
-        for (l, v) in r.iter().enumerate() {
-            _mm512_storeu_si512(dst.add(l * ldd) as *mut _, *v);
-        }
+        transpose_store(std::array::from_fn(|j| _mm512_or_si512(load(lo[j]), _mm512_slli_epi32::<16>(load(hi[j])))), dst, ldd);
     }
 
     /// The 16 × 16 words at `src` (row stride `lds`) transposed to `dst` (row stride `ldd`).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn transpose16(src: *const u32, lds: usize, dst: *mut u32, ldd: usize) {
-        let mut r = [_mm512_setzero_si512(); 16];
-        for (i, v) in r.iter_mut().enumerate() {
-            *v = _mm512_loadu_si512(src.add(i * lds) as *const _);
-        }
-        transpose_regs(&mut r);
-        for (i, v) in r.iter().enumerate() {
-            _mm512_storeu_si512(dst.add(i * ldd) as *mut _, *v);
-        }
+        transpose_store(std::array::from_fn(|i| _mm512_loadu_si512(src.add(i * lds) as *const _)), dst, ldd);
     }
 
-    /// 16 vectors of 16 words transposed in registers (`r[i]` lane j ↔ `r[j]` lane i).
+    /// 16 vectors of 16 words (`r[i]` lane j) transposed in registers and stored as 16 rows at
+    /// `dst` (row stride `ldd`): row j lane i.
     #[inline(always)]
-    pub unsafe fn transpose_regs(r: &mut [__m512i; 16]) {
+    unsafe fn transpose_store(mut r: [__m512i; 16], dst: *mut u32, ldd: usize) {
         // 32-bit interleave, 64-bit interleave, then 128-bit lane shuffles in two rounds
         let mut t = [_mm512_setzero_si512(); 16];
         for i in 0..8 {
@@ -281,6 +268,9 @@ mod x512 {
         for q in 0..8 {
             r[q] = _mm512_shuffle_i32x4::<0x88>(t[q], t[8 + q]);
             r[8 + q] = _mm512_shuffle_i32x4::<0xdd>(t[q], t[8 + q]);
+        }
+        for (j, v) in r.iter().enumerate() {
+            _mm512_storeu_si512(dst.add(j * ldd) as *mut _, *v);
         }
     }
 }
@@ -554,13 +544,13 @@ pub fn forward_rows(
 ) {
     let mut r0 = 0;
     while r0 < n_q {
-        let bq_max = bq;
-        let bq = bq.min(n_q - r0);
         // the next block's query rows (strided, so beyond the hardware prefetchers) come from
         // memory while this block computes
-        for r in r0 + bq..(r0 + bq + bq_max).min(n_q) {
+        let next = (r0 + bq).min(n_q);
+        for r in next..(next + bq).min(n_q) {
             super::attention::prefetch_l2(qkv[(q_row + r) * width + h0 * hd..].as_ptr(), group * hd);
         }
+        let bq = bq.min(n_q - r0);
         let at = |i: usize| (q_row + r0 + i % bq, h0 + i / bq);
         let q = |i: usize| {
             let (row, h) = at(i);

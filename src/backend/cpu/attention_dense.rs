@@ -244,8 +244,8 @@ fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs
                 };
                 // the next block's rows of Q, dO, O and dQ (strided, so beyond the hardware
                 // prefetchers) come from memory while this block computes
+                let c = kvh * group * hd;
                 for r in s.row0 + r0 + bq..s.row0 + (r0 + bq + BQ).min(n) {
-                    let c = kvh * group * hd;
                     prefetch_l2(qkv[r * width + c..].as_ptr(), group * hd);
                     prefetch_l2(dout[r * q_dim + c..].as_ptr(), group * hd);
                     prefetch_l2(out[r * q_dim + c..].as_ptr(), group * hd);

@@ -233,7 +233,7 @@ pub fn avx2_available() -> bool {
 
 /// What `Kernel::Auto` runs on this machine, in words (for the backend's name).
 pub fn auto_kernel() -> &'static str {
-    if native_available() && !forced_portable() {
+    if vdp_available() {
         if amx_available() {
             "AMX tiles (vdpbf16ps where a reduction is not a multiple of 32)"
         } else {
@@ -267,7 +267,7 @@ impl Kernel {
     /// The microkernel for a reduction of `pairs` pairs in k blocks of `kc`.
     fn micro(self, pairs: usize, kc: usize) -> Micro {
         match self {
-            Kernel::Auto if native_available() && !forced_portable() => {
+            Kernel::Auto if vdp_available() => {
                 if amx_available() && amx_fits(pairs, kc) {
                     Micro::Amx
                 } else {
@@ -1141,9 +1141,8 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
 /// `C = A · B` on the `vdpbf16ps` kernel, for operands in the AMX layout (`attention_bf16`): A's
 /// first `m` rows of `pairs` pair words (row stride `lda`), `panels` panels of B (`pstride` words
 /// apart, `[pairs][NR]` each), C's `m` × `panels·NR` block stored (row stride `ldc`; its rows
-/// past `m` untouched). One k
-/// block from +0, so each element is the kernel's pair sequence over `pairs` (the module doc),
-/// whatever `m` and its row's place in it. Strips of MR rows under one panel at a time (the
+/// past `m` untouched). One k block from +0, so each element is the kernel's pair sequence over
+/// `pairs` (the module doc), whatever `m` and its row's place in it. Strips of MR rows under one panel at a time (the
 /// panel stays in L1 while the strips pass).
 ///
 /// # Safety
