@@ -483,17 +483,18 @@ pub fn matmul_bf16(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k:
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_bf16_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool) {
     // Safety: no tails
-    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, parallel, &[]) }
+    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, parallel, &[], None) }
 }
 
 /// `matmul_bf16_with`, then each `Tail` added to its columns of `out` (in order) while a strip of
-/// rows is in cache. A tail with `at` gets its `u` computed here from x.
+/// rows is in cache; with `tail_u`, the tails' `u` computed here from x first (`TailU`).
 ///
 /// # Safety
-/// Each tail's pointers must cover its extents (`u` `[m, r]`; `at` `[k, r]`; `b` rows `0..r` of
-/// `ldb` with `ncols` columns), `col0 + ncols ≤ n`, and none may alias `x` or `out`.
+/// Each tail's pointers must cover its extents (`u` `m` rows of `ldu` with `r` columns; `b` rows
+/// `0..r` of `ldb` with `ncols` columns), `col0 + ncols ≤ n`; `tail_u`'s as `TailU` says; none
+/// may alias `x` or `out`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool, tails: &[Tail]) {
+pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool, tails: &[Tail], tail_u: Option<&TailU>) {
     assert!(w.n == n && w.k == k, "matmul_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
     assert!(tails.iter().all(|t| t.col0 + t.ncols <= n) && (tails.is_empty() || k > 0), "matmul_bf16: a tail outside the output, or a tail with k = 0");
     assert!(x.len() >= m * k && out.len() >= m * n, "matmul_bf16: buffer too small");
@@ -521,6 +522,7 @@ pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&
         src: Source::Forward(w),
         micro: kernel.micro(w.pairs, w.kc),
         tails,
+        tail_u,
     };
     job.run(parallel);
 }
@@ -538,14 +540,14 @@ pub fn matmul_dx_bf16_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: us
 }
 
 /// `matmul_dx_bf16_with`, then each `Tail` added to its columns of `dx` (in order) while a
-/// strip of rows is in cache (tails with `at` are for the forward only).
+/// strip of rows is in cache.
 ///
 /// # Safety
 /// As `matmul_bf16_tails`, with `dy` for `x`, `dx` for `out` and `k` for `n`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool, kernel: Kernel, parallel: bool, tails: &[Tail]) {
     assert!(w.n == n && w.k == k, "matmul_dx_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
-    assert!(tails.iter().all(|t| t.col0 + t.ncols <= k && t.at.is_none()) && (tails.is_empty() || n > 0), "matmul_dx_bf16: a tail outside dx, computing u, or with n = 0");
+    assert!(tails.iter().all(|t| t.col0 + t.ncols <= k) && (tails.is_empty() || n > 0), "matmul_dx_bf16: a tail outside dx, or with n = 0");
     assert!(dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_bf16: buffer too small");
     if m == 0 || k == 0 {
         return;
@@ -571,6 +573,7 @@ pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, 
         src: Source::Transposed(w),
         micro: kernel.micro(pairs, k_block_pairs(pairs)),
         tails,
+        tail_u: None,
     };
     job.run(parallel);
 }
@@ -581,17 +584,24 @@ pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, 
 /// element in l order (`lora::product`), after the element's GEMM sums and bias. Without the
 /// GEMM's rows in cache this read-modify-write of C was ~a quarter of the LoRA products' time.
 pub(crate) struct Tail {
-    /// `[m, r]` row-major
+    /// `m` rows of `ldu`, this tail's `r` columns first (the pairs of one product share one u)
     pub(crate) u: SendPtr<f32>,
+    pub(crate) ldu: usize,
     pub(crate) r: usize,
-    /// When set (`[red, r]`, the LoRA Aᵀ): `u = A_rows · at`, computed per piece of rows as
-    /// the GEMM converts them, so the f32 rows are read from memory once for both.
-    pub(crate) at: Option<SendPtr<f32>>,
     pub(crate) b: SendPtr<f32>,
     pub(crate) ldb: usize,
     pub(crate) alpha: f32,
     pub(crate) col0: usize,
     pub(crate) ncols: usize,
+}
+
+/// The forward tails' `u = A_rows · at` (`at` `[red, r]`: the Aᵀ of every LoRA pair on the
+/// product, side by side; `u` `[m, r]`), computed per piece of rows as the GEMM converts them, so
+/// the f32 rows are read from memory once for the GEMM and all the pairs.
+pub(crate) struct TailU {
+    pub(crate) at: SendPtr<f32>,
+    pub(crate) r: usize,
+    pub(crate) u: SendPtr<f32>,
 }
 
 /// Where a task's packed panels come from.
@@ -621,6 +631,8 @@ struct Job<'a> {
     micro: Micro,
     /// added to C per strip after the last k block
     tails: &'a [Tail],
+    /// computed per converted piece of rows, for the tails
+    tail_u: Option<&'a TailU>,
 }
 
 thread_local! {
@@ -683,11 +695,9 @@ impl Job<'_> {
                     } else {
                         convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
                     }
-                    // the rows are in cache now; tails' pointers cover [m, r] (the caller's contract)
-                    for t in self.tails {
-                        if let Some(at) = t.at {
-                            super::lora::product(i1 - i0, t.r, self.red, rows_f32, self.red, 1, at.get(), t.r, t.u.get().add((rb + i0) * t.r), t.r, 1.0, false);
-                        }
+                    // the rows are in cache now; u covers [m, r] (the caller's contract)
+                    if let Some(tu) = self.tail_u {
+                        super::lora::product(i1 - i0, tu.r, self.red, rows_f32, self.red, 1, tu.at.get(), tu.r, tu.u.get().add((rb + i0) * tu.r), tu.r, 1.0, false);
                     }
                 }
             };
@@ -882,7 +892,7 @@ impl Job<'_> {
         for t in self.tails {
             let (j0, j1) = (lo.max(t.col0), hi.min(t.col0 + t.ncols));
             if j0 < j1 {
-                super::lora::product(rows, j1 - j0, t.r, t.u.get().add(i * t.r), t.r, 1, t.b.get().add(j0 - t.col0), t.ldb, self.c.get().add(i * self.cols + j0), self.cols, t.alpha, true);
+                super::lora::product(rows, j1 - j0, t.r, t.u.get().add(i * t.ldu), t.ldu, 1, t.b.get().add(j0 - t.col0), t.ldb, self.c.get().add(i * self.cols + j0), self.cols, t.alpha, true);
             }
         }
     }

@@ -15,8 +15,9 @@
 //! how rows were batched either.
 //!
 //! With a bf16 weight the pairs are fused into the projection's GEMM (`matmul_lora`,
-//! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache.
-use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, Kernel, PackedBf16, Tail};
+//! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache, and the
+//! pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`).
+use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, Kernel, PackedBf16, Tail, TailU};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 
@@ -113,38 +114,64 @@ pub fn lora_bwd(
     keep_du: Option<&mut [f32]>,
 ) {
     assert!(dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep_du.as_ref().is_none_or(|d| d.len() >= m * r), "lora_bwd: dx or du too small");
-    let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep_du.map(|v| SendPtr(v.as_mut_ptr())));
-    assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && dy.len() >= m * ld && da.len() >= r * k && db.len() >= n_out * r);
     if m == 0 || r == 0 {
         return;
     }
-    let at = transpose(&a[..r * k], r, k);
-    let partials: Vec<(Vec<f32>, Vec<f32>)> = (0..m.div_ceil(CHUNK))
+    let pair = Pair { a, b, scale, r, col0, n_out };
+    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep_du);
+}
+
+/// `lora_bwd` of the pairs on one product (all reading x `[m, k]`; dy's rows of `ld`), in one
+/// pass over the rows: per block, u of every pair is one product (their Aᵀ side by side) and so
+/// is dA (their du side by side), so each block of x is read from memory once for all of them
+/// (a q/k/v or gate/up group: three or two passes before); du, dB and dx per pair, in order.
+/// The same bits as one `lora_bwd` per pair: every element is the same FMA chain, and dx takes
+/// the pairs' terms in pair order. `keep` (`[m, R]`, R = Σ r): du of every pair side by side.
+#[allow(clippy::too_many_arguments)]
+fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<&mut [f32]>) {
+    let rs: usize = pairs.iter().map(|p| p.r).sum();
+    assert!(pairs.len() == grads.len() && x.len() >= m * k && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.as_ref().is_none_or(|d| d.len() >= m * rs), "lora_bwd: x, dx or du too small");
+    for (p, (da, db)) in pairs.iter().zip(grads.iter()) {
+        assert!(p.a.len() >= p.r * k && p.b.len() >= p.n_out * p.r && p.col0 + p.n_out <= ld && dy.len() >= m * ld && da.len() >= p.r * k && db.len() >= p.n_out * p.r, "lora_bwd: a buffer too small");
+    }
+    if m == 0 || rs == 0 {
+        return;
+    }
+    // offset of each pair's columns in u and du, and their Aᵀ side by side: [k, rs]
+    let offs: Vec<usize> = pairs.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
+    let at = transpose(&pairs.iter().flat_map(|p| &p.a[..p.r * k]).copied().collect::<Vec<f32>>(), rs, k);
+    let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep.map(|v| SendPtr(v.as_mut_ptr())));
+    let partials: Vec<(Vec<f32>, Vec<Vec<f32>>)> = (0..m.div_ceil(CHUNK))
         .into_par_iter()
         .map(|c| {
             let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
-            let mut pa = vec![0f32; r * k];
-            let mut pb = vec![0f32; n_out * r];
-            let mut u = vec![0f32; BLOCK.min(rows) * r];
-            let mut du = vec![0f32; BLOCK.min(rows) * r];
+            let mut pa = vec![0f32; rs * k];
+            let mut pb: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.n_out * p.r]).collect();
+            let mut u = vec![0f32; BLOCK.min(rows) * rs];
+            let mut du = vec![0f32; BLOCK.min(rows) * rs];
             for b0 in (i0..i0 + rows).step_by(BLOCK) {
                 let mb = BLOCK.min(i0 + rows - b0);
-                // Safety: rows b0..b0+mb are this task's (dx); every extent is inside the checked buffers.
+                // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
                 unsafe {
                     let xs = x.as_ptr().add(b0 * k);
-                    let dys = dy.as_ptr().add(b0 * ld + col0);
-                    // u [mb, r] = x_blk Aᵀ
-                    product(mb, r, k, xs, k, 1, at.as_ptr(), r, u.as_mut_ptr(), r, 1.0, false);
-                    // du [mb, r] = scale · dy_blk B (into `keep`'s rows when kept)
-                    let dup = keep.map_or(du.as_mut_ptr(), |kp| kp.get().add(b0 * r));
-                    product(mb, r, n_out, dys, ld, 1, b.as_ptr(), r, dup, r, scale, false);
-                    // dB [n_out, r] += scale · dy_blkᵀ u: A = dyᵀ (element (o, i) at o + i·ld)
-                    product(n_out, r, mb, dys, 1, ld, u.as_ptr(), r, pb.as_mut_ptr(), r, scale, true);
-                    // dA [r, k] += duᵀ x_blk
-                    product(r, k, mb, dup, 1, r, xs, k, pa.as_mut_ptr(), k, 1.0, true);
-                    // dx_blk [mb, k] += du A
+                    // u [mb, rs] = x_blk Aᵀ
+                    product(mb, rs, k, xs, k, 1, at.as_ptr(), rs, u.as_mut_ptr(), rs, 1.0, false);
+                    // du (into `keep`'s rows when kept)
+                    let dup = keep.map_or(du.as_mut_ptr(), |kp| kp.get().add(b0 * rs));
+                    for ((p, &o), pb) in pairs.iter().zip(&offs).zip(pb.iter_mut()) {
+                        let dys = dy.as_ptr().add(b0 * ld + p.col0);
+                        // du_p [mb, r] = scale · dy_blk B
+                        product(mb, p.r, p.n_out, dys, ld, 1, p.b.as_ptr(), p.r, dup.add(o), rs, p.scale, false);
+                        // dB [n_out, r] += scale · dy_blkᵀ u_p: A = dyᵀ (element (o, i) at o + i·ld)
+                        product(p.n_out, p.r, mb, dys, 1, ld, u.as_ptr().add(o), rs, pb.as_mut_ptr(), p.r, p.scale, true);
+                    }
+                    // dA [rs, k] += duᵀ x_blk
+                    product(rs, k, mb, dup, 1, rs, xs, k, pa.as_mut_ptr(), k, 1.0, true);
+                    // dx_blk [mb, k] += du_p A_p, pair after pair
                     if let Some(dxp) = dxp {
-                        product(mb, k, r, dup, r, 1, a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
+                        for (p, &o) in pairs.iter().zip(&offs) {
+                            product(mb, k, p.r, dup.add(o), rs, 1, p.a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
+                        }
                     }
                 }
             }
@@ -152,8 +179,10 @@ pub fn lora_bwd(
         })
         .collect();
     for (pa, pb) in partials {
-        super::norm::add(&mut da[..r * k], &pa);
-        super::norm::add(&mut db[..n_out * r], &pb);
+        for (((da, db), p), (&o, pb)) in grads.iter_mut().zip(pairs).zip(offs.iter().zip(&pb)) {
+            super::norm::add(&mut da[..p.r * k], &pa[o * k..(o + p.r) * k]);
+            super::norm::add(&mut db[..p.n_out * p.r], pb);
+        }
     }
 }
 
@@ -198,14 +227,18 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
         }
         return;
     }
-    let mut bufs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = pairs.iter().map(|p| (transpose(&p.a[..p.r * k], p.r, k), transpose(&p.b[..p.n_out * p.r], p.n_out, p.r), vec![0f32; m * p.r])).collect();
-    let tails: Vec<Tail> = pairs
-        .iter()
-        .zip(&mut bufs)
-        .map(|(p, (at, bt, u))| Tail { u: SendPtr(u.as_mut_ptr()), r: p.r, at: Some(SendPtr(at.as_mut_ptr())), b: SendPtr(bt.as_mut_ptr()), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out })
-        .collect();
-    // Safety: u [m, r], Aᵀ [k, r], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
-    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, true, &tails) }
+    // u of every pair from one product: their Aᵀ side by side ([k, rs]), u [m, rs]
+    let rs: usize = pairs.iter().map(|p| p.r).sum();
+    let offs: Vec<usize> = pairs.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
+    let at = transpose(&pairs.iter().flat_map(|p| &p.a[..p.r * k]).copied().collect::<Vec<f32>>(), rs, k);
+    let bts: Vec<Vec<f32>> = pairs.iter().map(|p| transpose(&p.b[..p.n_out * p.r], p.n_out, p.r)).collect();
+    let mut u = vec![0f32; m * rs];
+    let up = SendPtr(u.as_mut_ptr());
+    // Safety (`add`): offsets inside u's rows
+    let tails: Vec<Tail> = pairs.iter().zip(&bts).zip(&offs).map(|((p, bt), &o)| Tail { u: SendPtr(unsafe { up.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(bt.as_ptr() as *mut f32), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out }).collect();
+    let tu = TailU { at: SendPtr(at.as_ptr() as *mut f32), r: rs, u: up };
+    // Safety: u [m, rs], Aᵀ [k, rs], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
+    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, true, &tails, Some(&tu)) }
 }
 
 /// `dx = dy W` on the bf16 `w` (`dy [m, n]`), then `lora_bwd` of each pair in order with dx
@@ -223,18 +256,16 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
     assert!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
     assert!(x.len() >= m * k && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: buffers too small");
     pairs.iter().for_each(|p| p.check(k, n));
-    let mut kept: Vec<(Vec<f32>, &Pair)> = Vec::with_capacity(pairs.len());
-    for (p, (ga, gb)) in pairs.iter().zip(grads.iter_mut()) {
-        let mut du = vec![0f32; m * p.r];
-        lora_bwd(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, dy, p.col0, n, ga, gb, None, Some(&mut du[..]));
-        kept.push((du, p));
-    }
-    let tails: Vec<Tail> = kept
-        .iter_mut()
-        .filter(|(_, p)| p.r > 0 && m > 0 && n > 0)
-        .map(|(du, p)| Tail { u: SendPtr(du.as_mut_ptr()), r: p.r, at: None, b: SendPtr(p.a.as_ptr() as *mut f32), ldb: k, alpha: 1.0, col0: 0, ncols: k })
-        .collect();
-    // Safety: du [m, r] above, A [r, k] checked; the tails only read them.
+    // the pairs' du side by side ([m, rs]), from one pass over the rows for all pairs
+    let (live, mut gs): (Vec<&Pair>, Vec<(&mut [f32], &mut [f32])>) = pairs.iter().zip(grads.iter_mut()).filter(|(p, _)| p.r > 0).map(|(p, (a, b))| (p, (&mut **a, &mut **b))).unzip();
+    let rs: usize = live.iter().map(|p| p.r).sum();
+    let mut du = vec![0f32; m * rs];
+    bwd_pairs(x, m, k, &live, dy, n, &mut gs, None, Some(&mut du));
+    let offs: Vec<usize> = live.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
+    let dup = SendPtr(du.as_mut_ptr());
+    // Safety (`add`): offsets inside du's rows
+    let tails: Vec<Tail> = live.iter().zip(&offs).filter(|_| m > 0 && n > 0).map(|(p, &o)| Tail { u: SendPtr(unsafe { dup.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(p.a.as_ptr() as *mut f32), ldb: k, alpha: 1.0, col0: 0, ncols: k }).collect();
+    // Safety: du [m, rs] above, A [r, k] checked; the tails only read them.
     unsafe { matmul_dx_bf16_tails(dy, w, m, n, k, dx, false, kernel, true, &tails) }
 }
 
