@@ -282,6 +282,13 @@ pub(crate) mod avx512 {
         n16
     }
 
+    /// The upper 8 lanes. (`_mm512_extractf32x8_ps` needs AVX-512 DQ, which these functions do
+    /// not enable: it was not inlined, a call per 16 elements.)
+    #[inline(always)]
+    unsafe fn hi256(v: __m512) -> __m256 {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+    }
+
     /// `avx::exp_sub_sum` 16 lanes at a time: the same exp bits per lane, and the same sums —
     /// each 16-lane vector's low then high half added into one 8-lane accumulator, the 8-lane
     /// loop's order. For a row of `n8` (a multiple of 8); returns the 8 lane sums.
@@ -296,7 +303,7 @@ pub(crate) mod avx512 {
                 _mm512_storeu_ps(x.add(i), e);
             }
             acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
-            acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps::<1>(e));
+            acc = _mm256_add_ps(acc, hi256(e));
             i += 16;
         }
         if i < n8 {
@@ -320,10 +327,10 @@ pub(crate) mod avx512 {
             let e = exp(_mm512_sub_ps(v, mv));
             let el = _mm512_mul_ps(e, v);
             accl = _mm256_add_ps(accl, _mm512_castps512_ps256(el));
-            accl = _mm256_add_ps(accl, _mm512_extractf32x8_ps::<1>(el));
+            accl = _mm256_add_ps(accl, hi256(el));
             _mm512_storeu_ps(x.add(i), e);
             acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
-            acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps::<1>(e));
+            acc = _mm256_add_ps(acc, hi256(e));
             i += 16;
         }
         if i < n8 {
