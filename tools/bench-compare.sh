@@ -111,6 +111,23 @@ print(v)' "$1" "$2"
 is_result() { [ -n "$(json_get "$1" tokens_per_s)" ]; }
 quote() { printf '%q ' "$@" | sed 's/ $//'; }
 
+# run_side NAME CMD...: one side's run in this round. LINE = its last stdout line when that is a
+# result, else empty (and STATUS=1); a result goes to OUT, the command to CMDS on the first round.
+run_side() {
+  local name="$1" out rc
+  shift
+  [ "$round" = 1 ] && CMDS+=("$(quote "$@")")
+  echo "bench-compare: $tag $name: $(quote "$@")" >&2
+  out="$("$@")"; rc=$?
+  LINE="$(printf '%s\n' "$out" | tail -n 1)"
+  if [ $rc -ne 0 ] || ! is_result "$LINE"; then
+    echo "bench-compare: $tag $name failed (exit $rc); last stdout line: ${LINE:-<none>}" >&2
+    LINE=""; STATUS=1
+  else
+    [ -n "$OUT" ] && printf '%s\n' "$LINE" >> "$OUT"
+  fi
+}
+
 [ -n "$OUT" ] && : > "$OUT"
 STATUS=0
 ROWS=()
@@ -128,17 +145,8 @@ for w in $WORKS; do
       ecmd=("$BIN" bench --model "$MODEL" --work "$w" --repeat "$REPEAT" --stat median --json)
       [ "$DEVICE" = cuda ] && ecmd+=(--backend cuda)
       [ -n "$EDTYPE" ] && ecmd+=(--dtype "$EDTYPE")
-      [ "$round" = 1 ] && CMDS+=("$(quote "${ecmd[@]}")")
-      echo "bench-compare: $tag engine: $(quote "${ecmd[@]}")" >&2
-      e_out="$("${ecmd[@]}")"; rc=$?
-      e_line="$(printf '%s\n' "$e_out" | tail -n 1)"
-      if [ $rc -ne 0 ] || ! is_result "$e_line"; then
-        echo "bench-compare: $tag engine failed (exit $rc); last stdout line: ${e_line:-<none>}" >&2
-        e_line=""; STATUS=1
-      else
-        [ -n "$OUT" ] && printf '%s\n' "$e_line" >> "$OUT"
-        ENGINE_VER="$(json_get "$e_line" version)"
-      fi
+      run_side engine "${ecmd[@]}"; e_line="$LINE"
+      [ -n "$e_line" ] && ENGINE_VER="$(json_get "$e_line" version)"
     else
       STATUS=1
     fi
@@ -149,17 +157,8 @@ for w in $WORKS; do
     tcmd=("$PY" "$TORCH_SCRIPT" --model "$MODEL" --work "$w" --device "$DEVICE" --threads "$threads"
           --repeat "$REPEAT" --json)
     [ -n "$DTYPE" ] && tcmd+=(--dtype "$DTYPE")
-    [ "$round" = 1 ] && CMDS+=("$(quote "${tcmd[@]}")")
-    echo "bench-compare: $tag torch: $(quote "${tcmd[@]}")" >&2
-    t_out="$("${tcmd[@]}")"; rc=$?
-    t_line="$(printf '%s\n' "$t_out" | tail -n 1)"
-    if [ $rc -ne 0 ] || ! is_result "$t_line"; then
-      echo "bench-compare: $tag torch failed (exit $rc)" >&2
-      t_line=""; STATUS=1
-    else
-      [ -n "$OUT" ] && printf '%s\n' "$t_line" >> "$OUT"
-      TORCH_VER="torch $(json_get "$t_line" torch), transformers $(json_get "$t_line" transformers)"
-    fi
+    run_side torch "${tcmd[@]}"; t_line="$LINE"
+    [ -n "$t_line" ] && TORCH_VER="torch $(json_get "$t_line" torch), transformers $(json_get "$t_line" transformers)"
     # one slot per round; a failed side leaves it empty ('-'), and that round has no ratio
     e_tps="$( [ -n "$e_line" ] && json_get "$e_line" tokens_per_s )"
     t_tps="$( [ -n "$t_line" ] && json_get "$t_line" tokens_per_s )"
