@@ -284,6 +284,7 @@ pub(crate) mod avx512 {
 
     /// The upper 8 lanes. (`_mm512_extractf32x8_ps` needs AVX-512 DQ, which these functions do
     /// not enable: it was not inlined, a call per 16 elements.)
+    #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
     #[inline(always)]
     unsafe fn hi256(v: __m512) -> __m256 {
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
