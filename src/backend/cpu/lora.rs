@@ -118,15 +118,27 @@ pub fn lora_bwd(
     bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep_du);
 }
 
+/// Where each pair's r columns start when the pairs' u (du, Aᵀ) sit side by side, and the total
+/// width Σ r.
+fn side_by_side(pairs: &[&Pair]) -> (Vec<usize>, usize) {
+    let offs = pairs.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
+    (offs, pairs.iter().map(|p| p.r).sum())
+}
+
+/// The pairs' Aᵀ side by side: `[k, rs]` (rs = Σ r).
+fn stacked_at(pairs: &[&Pair], k: usize, rs: usize) -> Vec<f32> {
+    transpose(&pairs.iter().flat_map(|p| &p.a[..p.r * k]).copied().collect::<Vec<f32>>(), rs, k)
+}
+
 /// `lora_bwd` of the pairs on one product (all reading x `[m, k]`; dy's rows of `ld`), in one
 /// pass over the rows: per block, u of every pair is one product (their Aᵀ side by side) and so
 /// is dA (their du side by side), so each block of x is read from memory once for all of them
 /// (a q/k/v or gate/up group: three or two passes before); du, dB and dx per pair, in order.
 /// The same bits as one `lora_bwd` per pair: every element is the same FMA chain, and dx takes
-/// the pairs' terms in pair order. `keep` (`[m, R]`, R = Σ r): du of every pair side by side.
+/// the pairs' terms in pair order. `keep` (`[m, rs]`, rs = Σ r): du of every pair side by side.
 #[allow(clippy::too_many_arguments)]
 fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<&mut [f32]>) {
-    let rs: usize = pairs.iter().map(|p| p.r).sum();
+    let (offs, rs) = side_by_side(pairs);
     assert!(pairs.len() == grads.len() && x.len() >= m * k && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.as_ref().is_none_or(|d| d.len() >= m * rs), "lora_bwd: x, dx or du too small");
     for (p, (da, db)) in pairs.iter().zip(grads.iter()) {
         assert!(p.a.len() >= p.r * k && p.b.len() >= p.n_out * p.r && p.col0 + p.n_out <= ld && dy.len() >= m * ld && da.len() >= p.r * k && db.len() >= p.n_out * p.r, "lora_bwd: a buffer too small");
@@ -134,9 +146,7 @@ fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usi
     if m == 0 || rs == 0 {
         return;
     }
-    // offset of each pair's columns in u and du, and their Aᵀ side by side: [k, rs]
-    let offs: Vec<usize> = pairs.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
-    let at = transpose(&pairs.iter().flat_map(|p| &p.a[..p.r * k]).copied().collect::<Vec<f32>>(), rs, k);
+    let at = stacked_at(pairs, k, rs);
     let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep.map(|v| SendPtr(v.as_mut_ptr())));
     let partials: Vec<(Vec<f32>, Vec<Vec<f32>>)> = (0..m.div_ceil(CHUNK))
         .into_par_iter()
@@ -225,9 +235,8 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
         return;
     }
     // u of every pair from one product: their Aᵀ side by side ([k, rs]), u [m, rs]
-    let rs: usize = pairs.iter().map(|p| p.r).sum();
-    let offs: Vec<usize> = pairs.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
-    let at = transpose(&pairs.iter().flat_map(|p| &p.a[..p.r * k]).copied().collect::<Vec<f32>>(), rs, k);
+    let (offs, rs) = side_by_side(&pairs);
+    let at = stacked_at(&pairs, k, rs);
     let bts: Vec<Vec<f32>> = pairs.iter().map(|p| transpose(&p.b[..p.n_out * p.r], p.n_out, p.r)).collect();
     let mut u = vec![0f32; m * rs];
     let up = SendPtr(u.as_mut_ptr());
@@ -255,10 +264,9 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
     pairs.iter().for_each(|p| p.check(k, n));
     // the pairs' du side by side ([m, rs]), from one pass over the rows for all pairs
     let (live, mut gs): (Vec<&Pair>, Vec<(&mut [f32], &mut [f32])>) = pairs.iter().zip(grads.iter_mut()).filter(|(p, _)| p.r > 0).map(|(p, (a, b))| (p, (&mut **a, &mut **b))).unzip();
-    let rs: usize = live.iter().map(|p| p.r).sum();
+    let (offs, rs) = side_by_side(&live);
     let mut du = vec![0f32; m * rs];
     bwd_pairs(x, m, k, &live, dy, n, &mut gs, None, Some(&mut du));
-    let offs: Vec<usize> = live.iter().scan(0, |o, p| Some(std::mem::replace(o, *o + p.r))).collect();
     let dup = SendPtr(du.as_mut_ptr());
     // Safety (`add`): offsets inside du's rows
     let tails: Vec<Tail> = live.iter().zip(&offs).filter(|_| m > 0 && n > 0).map(|(p, &o)| Tail { u: SendPtr(unsafe { dup.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(p.a.as_ptr() as *mut f32), ldb: k, alpha: 1.0, col0: 0, ncols: k }).collect();
