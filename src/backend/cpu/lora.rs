@@ -339,207 +339,140 @@ struct Prod {
     accumulate: bool,
 }
 
+/// The tile kernel for one vector width (`avx512`: 16 lanes; `avx2`, for Zen 2/3 and Intel client
+/// cores: 8). Column strips of up to `VMAX` vectors; in each, tiles of as many rows as keep the
+/// accumulators in registers (`RMAX[v - 1]` rows of v vectors, plus v B vectors and a broadcast:
+/// AVX-512 12 × 1, 8 × 2, 8 × 3, 6 × 4 of 32 registers; AVX2 12 × 1, 6 × 2, 4 × 3 of 16). Each
+/// element is one FMA chain in l order on either width, so both give the portable loop's bits.
+/// (Without a vector kernel the portable loop keeps each row's sums in memory, a load and a store
+/// per FMA: ~17 GFLOP/s, a quarter of a training step on a Zen 3.)
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::Prod;
-    use std::arch::x86_64::*;
+macro_rules! product_kernels {
+    (
+        $m:ident, $feat:literal, $vec:ty, $lanes:literal, $mask:ty, vmax $vmax:literal, rmax $rmax:expr,
+        full $full:expr, tail |$cnt:ident| $tail:expr, load |$lp:ident, $lm:ident| $load:expr, store |$sp:ident, $sm:ident, $sv:ident| $store:expr,
+        $zero:ident, $set1:ident, $fma:ident, $mul:ident, $add:ident, tiles { $($nv:literal: $($r:literal)*;)* }
+    ) => {
+        mod $m {
+            use super::Prod;
+            use std::arch::x86_64::*;
+            const L: usize = $lanes;
 
-    /// Column strips of up to 4 vectors (64 columns); in each, tiles of as many rows as keep
-    /// the accumulators in registers (12 × 1, 8 × 2, 8 × 3, 6 × 4 vectors).
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn product(m: usize, n: usize, p: Prod) {
-        assert!(p.a_cs == 1 || p.a_rs == 1, "lora product: A must be row- or column-major");
-        let cm = p.a_rs == 1 && p.a_cs != 1;
-        let mut j0 = 0;
-        while j0 < n {
-            let w = (n - j0).min(64);
-            let v = w.div_ceil(16);
-            let last: __mmask16 = if w.is_multiple_of(16) { 0xffff } else { ((1u32 << (w % 16)) - 1) as u16 };
-            let rmax = [12, 8, 8, 6][v - 1];
-            let mut i0 = 0;
-            while i0 < m {
-                let rows = (m - i0).min(rmax);
-                // wrapping: with kk = 0 A and B may be empty (dangling); nothing is read then
-                let q = Prod { a: p.a.wrapping_add(i0 * p.a_rs), b: p.b.wrapping_add(j0), c: p.c.add(i0 * p.ldc + j0), ..p };
-                macro_rules! rows {
-                    ($v:literal: $($r:literal)*) => {
-                        match (rows, cm) {
-                            $(($r, true) => tile::<$r, $v, true>(q, last),)*
-                            $(($r, false) => tile::<$r, $v, false>(q, last),)*
-                            _ => unreachable!("tile rows {rows}"),
-                        }
+            /// # Safety
+            /// The CPU has the features; the pointers cover `super::product`'s extents.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn product(m: usize, n: usize, p: Prod) {
+                assert!(p.a_cs == 1 || p.a_rs == 1, "lora product: A must be row- or column-major");
+                let cm = p.a_rs == 1 && p.a_cs != 1;
+                let mut j0 = 0;
+                while j0 < n {
+                    let w = (n - j0).min($vmax * L);
+                    let v = w.div_ceil(L);
+                    // lanes of the last vector inside the strip
+                    let last: $mask = {
+                        let $cnt = w - L * (v - 1);
+                        $tail
                     };
+                    let rmax: [usize; $vmax] = $rmax;
+                    let mut i0 = 0;
+                    while i0 < m {
+                        let rows = (m - i0).min(rmax[v - 1]);
+                        // wrapping: with kk = 0 A and B may be empty (dangling); nothing is read then
+                        let q = Prod { a: p.a.wrapping_add(i0 * p.a_rs), b: p.b.wrapping_add(j0), c: p.c.add(i0 * p.ldc + j0), ..p };
+                        match (v, rows, cm) {
+                            $($(($nv, $r, true) => tile::<$r, $nv, true>(q, last), ($nv, $r, false) => tile::<$r, $nv, false>(q, last),)*)*
+                            _ => unreachable!("tile {rows} x {v}"),
+                        }
+                        i0 += rows;
+                    }
+                    j0 += w;
                 }
-                match v {
-                    1 => rows!(1: 1 2 3 4 5 6 7 8 9 10 11 12),
-                    2 => rows!(2: 1 2 3 4 5 6 7 8),
-                    3 => rows!(3: 1 2 3 4 5 6 7 8),
-                    _ => rows!(4: 1 2 3 4 5 6),
-                }
-                i0 += rows;
             }
-            j0 += w;
-        }
-    }
 
-    /// `C[R, V vectors] (+)= alpha · Σ_l A[i, l] · B[l, ·]`; the last vector masked by `last`.
-    /// `CM`: A is column-major (`a_rs == 1`), its R elements of step l side by side; else A is
-    /// row-major (`a_cs == 1`) and l goes 4 at a time, so the R row addresses (a chain of adds
-    /// through the stride, as the compiler forms them) are paid once per 4 steps — with one
-    /// vector per row that chain, not the FMAs, set the pace. Either way each accumulator
-    /// takes its FMAs in l order.
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::needless_range_loop)] // registers indexed by (row, vector), as in gemm512
-    unsafe fn tile<const R: usize, const V: usize, const CM: bool>(p: Prod, last: __mmask16) {
-        let mut mask = [0xffffu16; V];
-        mask[V - 1] = last;
-        let mut s = [[_mm512_setzero_ps(); V]; R];
-        macro_rules! step {
-            ($l:expr, $ai:expr) => {{
-                let bl = p.b.add($l * p.ldb);
-                let mut bv = [_mm512_setzero_ps(); V];
-                for v in 0..V {
-                    bv[v] = _mm512_maskz_loadu_ps(mask[v], bl.add(16 * v));
+            /// `C[R, V vectors] (+)= alpha · Σ_l A[i, l] · B[l, ·]`; the last vector masked by `last`.
+            /// `CM`: A is column-major (`a_rs == 1`), its R elements of step l side by side; else A
+            /// is row-major (`a_cs == 1`) and l goes 4 at a time, so the R row addresses (a chain of
+            /// adds through the stride, as the compiler forms them) are paid once per 4 steps —
+            /// with one vector per row that chain, not the FMAs, set the pace. Either way each
+            /// accumulator takes its FMAs in l order.
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::needless_range_loop)] // registers indexed by (row, vector), as in gemm512
+            unsafe fn tile<const R: usize, const V: usize, const CM: bool>(p: Prod, last: $mask) {
+                let mut mask: [$mask; V] = [$full; V];
+                mask[V - 1] = last;
+                // a macro, not a closure: the intrinsics inline into this function's features
+                macro_rules! load {
+                    ($at:expr, $k:expr) => {{
+                        let ($lp, $lm): (*const f32, $mask) = ($at, $k);
+                        $load
+                    }};
                 }
-                for i in 0..R {
-                    let ai = _mm512_set1_ps($ai(i));
-                    for v in 0..V {
-                        s[i][v] = _mm512_fmadd_ps(ai, bv[v], s[i][v]);
+                let mut s: [[$vec; V]; R] = [[$zero(); V]; R];
+                macro_rules! step {
+                    ($l:expr, $ai:expr) => {{
+                        let bl = p.b.add($l * p.ldb);
+                        let mut bv: [$vec; V] = [$zero(); V];
+                        for v in 0..V {
+                            bv[v] = load!(bl.add(L * v), mask[v]);
+                        }
+                        for i in 0..R {
+                            let ai = $set1($ai(i));
+                            for v in 0..V {
+                                s[i][v] = $fma(ai, bv[v], s[i][v]);
+                            }
+                        }
+                    }};
+                }
+                if CM {
+                    for l in 0..p.kk {
+                        let al = p.a.add(l * p.a_cs);
+                        step!(l, |i: usize| *al.add(i));
+                    }
+                } else {
+                    let mut l = 0;
+                    while l + 4 <= p.kk {
+                        for u in 0..4 {
+                            step!(l + u, |i: usize| *p.a.add(i * p.a_rs + l + u));
+                        }
+                        l += 4;
+                    }
+                    for l in l..p.kk {
+                        step!(l, |i: usize| *p.a.add(i * p.a_rs + l));
                     }
                 }
-            }};
-        }
-        if CM {
-            for l in 0..p.kk {
-                let al = p.a.add(l * p.a_cs);
-                step!(l, |i: usize| *al.add(i));
-            }
-        } else {
-            let mut l = 0;
-            while l + 4 <= p.kk {
-                for u in 0..4 {
-                    step!(l + u, |i: usize| *p.a.add(i * p.a_rs + l + u));
-                }
-                l += 4;
-            }
-            for l in l..p.kk {
-                step!(l, |i: usize| *p.a.add(i * p.a_rs + l));
-            }
-        }
-        let alpha = _mm512_set1_ps(p.alpha);
-        for i in 0..R {
-            let ci = p.c.add(i * p.ldc);
-            for v in 0..V {
-                let mut y = _mm512_mul_ps(alpha, s[i][v]);
-                if p.accumulate {
-                    y = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], ci.add(16 * v)), y);
-                }
-                _mm512_mask_storeu_ps(ci.add(16 * v), mask[v], y);
-            }
-        }
-    }
-}
-
-/// `avx512::product` on 256-bit registers (AVX2 + FMA: Zen 2/3, Intel client cores): the same
-/// tiles with 8-lane vectors, the same FMA chain per element, so the same bits. The portable loop
-/// it replaces keeps each row's sums in memory (a load and a store per FMA): ~17 GFLOP/s, a
-/// quarter of a training step on a Zen 3.
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::Prod;
-    use std::arch::x86_64::*;
-
-    /// Column strips of up to 3 vectors (24 columns); in each, tiles of as many rows as keep
-    /// the accumulators in the 16 registers (12 × 1, 6 × 2, 4 × 3 vectors, plus the B vectors
-    /// and a broadcast).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn product(m: usize, n: usize, p: Prod) {
-        assert!(p.a_cs == 1 || p.a_rs == 1, "lora product: A must be row- or column-major");
-        let cm = p.a_rs == 1 && p.a_cs != 1;
-        let mut j0 = 0;
-        while j0 < n {
-            let w = (n - j0).min(24);
-            let v = w.div_ceil(8);
-            // lanes of the last vector inside the strip
-            let last = _mm256_cmpgt_epi32(_mm256_set1_epi32((w - 8 * (v - 1)) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            let rmax = [12, 6, 4][v - 1];
-            let mut i0 = 0;
-            while i0 < m {
-                let rows = (m - i0).min(rmax);
-                // wrapping: with kk = 0 A and B may be empty (dangling); nothing is read then
-                let q = Prod { a: p.a.wrapping_add(i0 * p.a_rs), b: p.b.wrapping_add(j0), c: p.c.add(i0 * p.ldc + j0), ..p };
-                macro_rules! rows {
-                    ($v:literal: $($r:literal)*) => {
-                        match (rows, cm) {
-                            $(($r, true) => tile::<$r, $v, true>(q, last),)*
-                            $(($r, false) => tile::<$r, $v, false>(q, last),)*
-                            _ => unreachable!("tile rows {rows}"),
-                        }
-                    };
-                }
-                match v {
-                    1 => rows!(1: 1 2 3 4 5 6 7 8 9 10 11 12),
-                    2 => rows!(2: 1 2 3 4 5 6),
-                    _ => rows!(3: 1 2 3 4),
-                }
-                i0 += rows;
-            }
-            j0 += w;
-        }
-    }
-
-    /// `avx512::tile` with 8 lanes: the last vector's lanes masked by `last` (all ones inside).
-    #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn tile<const R: usize, const V: usize, const CM: bool>(p: Prod, last: __m256i) {
-        let mut mask = [_mm256_set1_epi32(-1); V];
-        mask[V - 1] = last;
-        let mut s = [[_mm256_setzero_ps(); V]; R];
-        macro_rules! step {
-            ($l:expr, $ai:expr) => {{
-                let bl = p.b.add($l * p.ldb);
-                let mut bv = [_mm256_setzero_ps(); V];
-                for v in 0..V {
-                    bv[v] = _mm256_maskload_ps(bl.add(8 * v), mask[v]);
-                }
+                let alpha = $set1(p.alpha);
                 for i in 0..R {
-                    let ai = _mm256_set1_ps($ai(i));
+                    let ci = p.c.add(i * p.ldc);
                     for v in 0..V {
-                        s[i][v] = _mm256_fmadd_ps(ai, bv[v], s[i][v]);
+                        let mut y = $mul(alpha, s[i][v]);
+                        if p.accumulate {
+                            y = $add(load!(ci.add(L * v) as *const f32, mask[v]), y);
+                        }
+                        let ($sp, $sm, $sv) = (ci.add(L * v), mask[v], y);
+                        $store;
                     }
                 }
-            }};
-        }
-        if CM {
-            for l in 0..p.kk {
-                let al = p.a.add(l * p.a_cs);
-                step!(l, |i: usize| *al.add(i));
-            }
-        } else {
-            let mut l = 0;
-            while l + 4 <= p.kk {
-                for u in 0..4 {
-                    step!(l + u, |i: usize| *p.a.add(i * p.a_rs + l + u));
-                }
-                l += 4;
-            }
-            for l in l..p.kk {
-                step!(l, |i: usize| *p.a.add(i * p.a_rs + l));
             }
         }
-        let alpha = _mm256_set1_ps(p.alpha);
-        for i in 0..R {
-            let ci = p.c.add(i * p.ldc);
-            for v in 0..V {
-                let mut y = _mm256_mul_ps(alpha, s[i][v]);
-                if p.accumulate {
-                    y = _mm256_add_ps(_mm256_maskload_ps(ci.add(8 * v), mask[v]), y);
-                }
-                _mm256_maskstore_ps(ci.add(8 * v), mask[v], y);
-            }
-        }
-    }
+    };
 }
+
+#[cfg(target_arch = "x86_64")]
+product_kernels!(
+    avx512, "avx512f", __m512, 16, __mmask16, vmax 4, rmax [12, 8, 8, 6],
+    full 0xffff, tail |n| if n == 16 { 0xffff } else { ((1u32 << n) - 1) as u16 },
+    load |p, k| _mm512_maskz_loadu_ps(k, p), store |p, k, y| _mm512_mask_storeu_ps(p, k, y),
+    _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps,
+    tiles { 1: 1 2 3 4 5 6 7 8 9 10 11 12; 2: 1 2 3 4 5 6 7 8; 3: 1 2 3 4 5 6 7 8; 4: 1 2 3 4 5 6; }
+);
+#[cfg(target_arch = "x86_64")]
+product_kernels!(
+    avx2, "avx2,fma", __m256, 8, __m256i, vmax 3, rmax [12, 6, 4],
+    full _mm256_set1_epi32(-1), tail |n| _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+    load |p, k| _mm256_maskload_ps(p, k), store |p, k, y| _mm256_maskstore_ps(p, k, y),
+    _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps,
+    tiles { 1: 1 2 3 4 5 6 7 8 9 10 11 12; 2: 1 2 3 4 5 6; 3: 1 2 3 4; }
+);
 
 #[cfg(test)]
 mod tests {
