@@ -340,8 +340,8 @@ struct Prod {
 }
 
 /// The tile kernel for one vector width (`avx512`: 16 lanes; `avx2`, for Zen 2/3 and Intel client
-/// cores: 8). Column strips of up to `VMAX` vectors; in each, tiles of as many rows as keep the
-/// accumulators in registers (`RMAX[v - 1]` rows of v vectors, plus v B vectors and a broadcast:
+/// cores: 8). Column strips of up to `vmax` vectors; in each, tiles of as many rows as keep the
+/// accumulators in registers (`rmax[v - 1]` rows of v vectors, plus v B vectors and a broadcast:
 /// AVX-512 12 × 1, 8 × 2, 8 × 3, 6 × 4 of 32 registers; AVX2 12 × 1, 6 × 2, 4 × 3 of 16). Each
 /// element is one FMA chain in l order on either width, so both give the portable loop's bits.
 /// (Without a vector kernel the portable loop keeps each row's sums in memory, a load and a store
@@ -547,19 +547,13 @@ mod tests {
                 // values, not all one number (a comparison of zeros would prove nothing)
                 assert!(want.iter().any(|&x| x != want[0]) || m * n == 1 || (kk == 0 && !accumulate));
                 #[cfg(target_arch = "x86_64")]
-                for (name, has) in [("AVX-512", crate::backend::cpu::simd::has_avx512f()), ("AVX2", crate::backend::cpu::simd::has_avx2_fma())] {
-                    if !has {
-                        continue;
-                    }
+                type Kernel = unsafe fn(usize, usize, Prod);
+                let kernels: [(&str, bool, Kernel); 2] = [("AVX-512", crate::backend::cpu::simd::has_avx512f(), avx512::product), ("AVX2", crate::backend::cpu::simd::has_avx2_fma(), avx2::product)];
+                for (name, _, kernel) in kernels.into_iter().filter(|k| k.1) {
                     let mut got = c0.clone();
                     let p = Prod { kk, a: a.as_ptr(), a_rs: rs, a_cs: cs, b: b.as_ptr(), ldb: n, c: got.as_mut_ptr(), ldc: n, alpha: 0.7, accumulate };
                     // Safety: the CPU has the kernel's features; the buffers hold these extents.
-                    unsafe {
-                        match name {
-                            "AVX-512" => avx512::product(m, n, p),
-                            _ => avx2::product(m, n, p),
-                        }
-                    }
+                    unsafe { kernel(m, n, p) };
                     let same = got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "{name} kernel and portable loop differ at {m}x{n}x{kk} (column-major A: {col_major}, accumulate {accumulate})");
                 }
