@@ -73,8 +73,9 @@
 //! driver and packed data. A is converted to f32 values rounded to bf16 (two words per pair, so
 //! its broadcasts are plain loads), with a flag per row; each pair row of a panel is widened to
 //! f32 by a shift and a mask, and the `vdpbf16ps` steps run as `vfmadd231ps` on 4 rows × 16
-//! columns (1 row × 32 for a single row): 8 accumulators, 4 widened weight vectors and 2
-//! broadcasts (and the mask) of the 16 ymm registers. Plain FMAs are the native steps whenever
+//! columns (8 accumulators, 4 widened weight vectors and 2 broadcasts of the 16 ymm registers),
+//! the last 1–3 rows of a strip on all 32 columns (4–12 accumulators: see `avx2::panel`). Plain
+//! FMAs are the native steps whenever
 //! the smallest exponents of a strip's rows and of the weight matrix keep every product on the
 //! grid of 2⁻¹²⁶ (`plain_fma_exact`: then every partial sum is a multiple of 2⁻¹²⁶, so nothing is
 //! ever flushed or read as zero); a 12-row strip outside that takes the portable steps below, so
@@ -83,9 +84,11 @@
 //! both, one tiny row among normal ones, the exponent-sum boundary). Measured on a 2-core AMD
 //! EPYC (Zen 3: AVX2, no AVX-512; `cargo bench --bench kernels -- "bf16"`, a shared machine): 4096-row products 133–143 GFLOP/s
 //! (f32 there, the `gemm` crate: 130–160; the portable steps: 31); decode with 1 row streams
-//! 14–24 GiB/s of bf16 weights (f32: 17–21 GiB/s of twice the bytes), with 8 rows 7.5–10.5 (f32:
-//! 14–17, the same time per product): 8 rows × 32 columns would need 32 accumulators, so a panel
-//! is read in 4 passes (the first from memory, prefetched 6 KiB ahead into L2) at the FMA rate.
+//! 14–24 GiB/s of bf16 weights (f32: 17–21 GiB/s of twice the bytes), with 8 rows 7.5–10.5 in
+//! that bench (f32: 14–17, the same time per product) before the passes over a panel shared its
+//! memory stream (`avx2::Prefetch`): 8 rows × 32 columns would need 32 accumulators, so a panel
+//! is read in 4 passes at the FMA rate, and only the first one came from memory. 8 rows × 576 ×
+//! 3072 with cold weights now run at 125–138 GFLOP/s (15–16 GiB/s) against 98–107 before.
 //! So on such a CPU bf16 weights run at about the f32 speed (0.9–1.3× in `bench` on the Zen 3:
 //! docs/RESULTS.md) with half the weight memory, where the portable steps alone ran 2–5× slower.
 //!
@@ -1446,50 +1449,136 @@ mod avx2 {
     use super::{Tile, NR};
     use std::arch::x86_64::*;
 
-    /// `rows` ≤ MR rows × one panel.
+    /// `rows` ≤ MR rows × one panel: each group of 4 rows in two passes of 16 columns (8 sums),
+    /// the last 1–3 rows in one pass over all 32 columns (4–12 sums: a pass of 3 rows × 16
+    /// columns would keep only 6 FMA chains in flight for a latency of 4 cycles × 2 FMA pipes).
+    /// Batch 5 with the 16-column passes alone ran at 69 GFLOP/s against 104 this way, batch 8
+    /// as 3 + 3 + 2 rows on whole panels at 120–126 against 138 this way (weights from DRAM).
     pub unsafe fn panel(t: &Tile, rows: usize) {
-        if rows == 1 {
-            kernel::<1, 4>(t, 0, 0);
-            return;
-        }
+        let full = rows / 4 * 4;
+        let rest = rows - full;
+        let np = full / 2 + usize::from(rest > 0);
+        let mut j = 0;
         for c0 in [0, 16] {
-            if c0 >= t.cols {
-                break;
-            }
-            let mut r = 0;
-            while r < rows {
-                match rows - r {
-                    1 => kernel::<1, 2>(t, r, c0),
-                    2 => kernel::<2, 2>(t, r, c0),
-                    3 => kernel::<3, 2>(t, r, c0),
-                    _ => kernel::<4, 2>(t, r, c0),
+            for r in (0..full).step_by(4) {
+                if c0 < t.cols {
+                    kernel::<4, 2>(t, r, c0, j, np);
                 }
-                r += 4;
+                j += 1;
             }
         }
+        match rest {
+            1 => kernel::<1, 4>(t, full, 0, j, np),
+            2 => wide::<2>(t, full, j, np),
+            3 => wide::<3>(t, full, j, np),
+            _ => {}
+        }
+    }
+
+    /// The software prefetch of a task's first strip, whose panels come from memory. The first
+    /// pass reads the panel 48 pairs ahead into L2 (6 KiB; `cargo bench --bench kernels -- "bf16
+    /// decode"` with 8 rows: 4.9–6.1 → 7.5–8.5 GiB/s; 32, 96, 128 pairs less; into L1 less).
+    /// Every pass also fetches its share of the next panel, a pair row every `np` pairs: the
+    /// later passes over a panel hit the cache, so without it the memory stream stalled while
+    /// they ran and the first pass waited on it (8 rows × 576 × 3072 from DRAM: 107 → 138
+    /// GFLOP/s; 5 rows 70 → 104; measured best of 200 alternated runs, 2026-12-03, Zen 3).
+    struct Prefetch {
+        on: bool,
+        ahead: bool,
+        b: *const u32,
+        next: *const u32,
+        row: usize,
+        end: usize,
+        wait: usize,
+        np: usize,
+    }
+
+    impl Prefetch {
+        /// For pass `j` of the `np` passes over panel `t.b`.
+        #[inline(always)]
+        fn new(t: &Tile, j: usize, np: usize) -> Prefetch {
+            let per = t.kb.div_ceil(np);
+            // past the task's last panel this is the next task's first one (or past the data:
+            // a prefetch is only a hint)
+            let next = t.b.wrapping_add(t.pstride);
+            Prefetch { on: t.first, ahead: j == 0, b: t.b, next, row: j * per, end: ((j + 1) * per).min(t.kb), wait: 0, np }
+        }
+
+        #[inline(always)]
+        unsafe fn step(&mut self, q: usize) {
+            const PF_PAIRS: usize = 48;
+            if !self.on {
+                return;
+            }
+            if self.ahead {
+                let p = self.b.wrapping_add((q + PF_PAIRS) * NR);
+                _mm_prefetch::<_MM_HINT_T1>(p as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(16) as *const i8);
+            }
+            if self.wait == 0 {
+                if self.row < self.end {
+                    let p = self.next.wrapping_add(self.row * NR);
+                    _mm_prefetch::<_MM_HINT_T1>(p as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(16) as *const i8);
+                    self.row += 1;
+                }
+                self.wait = self.np;
+            }
+            self.wait -= 1;
+        }
+    }
+
+    /// Rows `r0..r0+R` (R ≤ 3) × the whole panel, 4R sums: per pair the odd halves of the 4
+    /// weight vectors, widened one at a time, against R broadcasts, then the even halves (each
+    /// sum's order is `kernel`'s: odd, then even, pair after pair).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn wide<const R: usize>(t: &Tile, r0: usize, j: usize, np: usize) {
+        let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let a = (t.a as *const f32).add(r0 * t.lda);
+        let mut pf = Prefetch::new(t, j, np);
+        for q in 0..t.kb {
+            pf.step(q);
+            let w = t.b.add(q * NR) as *const __m256i;
+            let mut x = [_mm256_setzero_ps(); R];
+            for (r, xr) in x.iter_mut().enumerate() {
+                *xr = _mm256_broadcast_ss(&*a.add(r * t.lda + 2 * q + 1));
+            }
+            // 12 sums + 3 broadcasts + 1 weight vector fill the 16 registers: an opaque pointer
+            // per phase makes the compiler load the weights again rather than keep all four
+            // (which spilled the sums: 118 → 94 GFLOP/s)
+            let wb = std::hint::black_box(w);
+            for v in 0..4 {
+                let wo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wb.add(v)), hi));
+                for r in 0..R {
+                    acc[r][v] = _mm256_fmadd_ps(x[r], wo, acc[r][v]);
+                }
+            }
+            for (r, xr) in x.iter_mut().enumerate() {
+                *xr = _mm256_broadcast_ss(&*a.add(r * t.lda + 2 * q));
+            }
+            let wb = std::hint::black_box(w);
+            for v in 0..4 {
+                let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_loadu_si256(wb.add(v))));
+                for r in 0..R {
+                    acc[r][v] = _mm256_fmadd_ps(x[r], we, acc[r][v]);
+                }
+            }
+        }
+        store(t, r0, 0, &acc);
     }
 
     /// Rows `r0..r0+R` × columns `c0..c0+8V` of the panel: per pair V words of weights widened to
     /// 2V f32 vectors; per row a broadcast of each half of its pair and 2V FMAs, odd first.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn kernel<const R: usize, const V: usize>(t: &Tile, r0: usize, c0: usize) {
+    unsafe fn kernel<const R: usize, const V: usize>(t: &Tile, r0: usize, c0: usize, j: usize, np: usize) {
         let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
         let mut acc = [[_mm256_setzero_ps(); V]; R];
         let a = (t.a as *const f32).add(r0 * t.lda);
         let b = t.b.add(c0);
-        // The task's first pass over a panel streams it from memory: prefetch both lines of the
-        // pair row 6 KiB ahead into L2 (past the panel's end that is the next panel; past the
-        // data, only a hint). Decode with 8 rows, `cargo bench --bench kernels -- "bf16 decode"`:
-        // 4.9–6.1 → 7.5–8.5 GiB/s back to back (48 or 64 pairs ahead; 32, 96, 128 less; into
-        // L1 less).
-        const PF_PAIRS: usize = 48;
-        let pf = t.first && r0 == 0 && c0 == 0;
+        let mut pf = Prefetch::new(t, j, np);
         for q in 0..t.kb {
-            if pf {
-                let p = t.b.wrapping_add((q + PF_PAIRS) * NR);
-                _mm_prefetch::<_MM_HINT_T1>(p as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(16) as *const i8);
-            }
+            pf.step(q);
             let mut we = [_mm256_setzero_ps(); V];
             let mut wo = [_mm256_setzero_ps(); V];
             for v in 0..V {
@@ -1506,6 +1595,13 @@ mod avx2 {
                 }
             }
         }
+        store(t, r0, c0, &acc);
+    }
+
+    /// The finished sums of rows `r0..r0+R` × columns `c0..c0+8V` into C (`Tile::store`'s
+    /// operations, 8 lanes at a time).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn store<const R: usize, const V: usize>(t: &Tile, r0: usize, c0: usize, acc: &[[__m256; V]; R]) {
         for (r, ar) in acc.iter().enumerate() {
             let cr = t.c.add((r0 + r) * t.ldc);
             for (v, &s) in ar.iter().enumerate() {
@@ -1719,7 +1815,7 @@ mod tests {
     /// (m, k, n): m = 1, 2, 8, 12, 13, 37, 100; k = 1, odd, not a multiple of 32, several k
     /// blocks (k > 640); n below, at and past panel edges.
     const SHAPES: &[(usize, usize, usize)] =
-        &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64), (45, 64, 97), (70, 1024, 100)];
+        &[(1, 1, 1), (1, 2, 3), (2, 7, 33), (13, 31, 32), (13, 64, 65), (100, 33, 97), (1, 576, 960), (8, 641, 40), (12, 1536, 70), (37, 1537, 100), (2, 2000, 129), (100, 577, 64), (45, 64, 97), (70, 1024, 100), (3, 130, 65), (5, 577, 40), (6, 64, 33), (7, 641, 96), (11, 200, 70)];
 
     /// x Wᵀ + b against an f64 reference on the bf16-rounded inputs, within the worst-case bound
     /// of a sequential f32 sum: |err| ≤ (k + blocks + 2)·u·(Σ|x·w| + |b|), u = 2⁻²⁴.
