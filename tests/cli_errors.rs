@@ -215,6 +215,25 @@ fn good_input_still_succeeds() {
     assert!(v["new_ids"].as_array().unwrap().len() <= 4);
 }
 
+/// `bench --json` names the weights' storage as bench_torch.py does (bench-compare's tables and
+/// anyone reading the raw lines rely on it): float32 by default, bfloat16 with `--dtype bf16`.
+#[test]
+fn bench_json_reports_the_weight_dtype() {
+    let m = fixtures().join("tiny-llama");
+    for (dtype, want) in [(None, "float32"), (Some("f32"), "float32"), (Some("bf16"), "bfloat16")] {
+        let mut args = vec!["bench", "--model", s(&m), "--work", "score", "--batch", "1", "--seq-len", "8", "--score-last", "4", "--repeat", "1", "--json"];
+        if let Some(d) = dtype {
+            args.extend(["--dtype", d]);
+        }
+        let out = bin().args(&args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_string();
+        let v: serde_json::Value = serde_json::from_str(&last).unwrap();
+        assert_eq!(v["dtype"], want, "{args:?}: {last}");
+        assert_eq!(v["tokens"], 8, "{args:?}: {last}"); // score counts every token of the batch
+    }
+}
+
 #[test]
 fn bad_activation_budget_variable() {
     let dir = tempfile::tempdir().unwrap();

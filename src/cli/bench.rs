@@ -162,7 +162,8 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
             "model": model.dir.display().to_string(),
             "backend": model.be.name(),
             "device": if cuda { "cuda" } else { "cpu" },
-            "dtype": if cuda { "bfloat16" } else { "float32" },
+            // the weights' storage, in PyTorch's names (bench_torch.py's "dtype")
+            "dtype": if cuda || a.model.dtype == Some(crate::cli::DtypeArg::Bf16) { "bfloat16" } else { "float32" },
             "threads": rayon::current_num_threads(),
             "batch": shape.batch,
             "seq_len": shape.seq_len,
