@@ -1532,6 +1532,7 @@ mod avx2 {
     /// weight vectors, widened one at a time, against R broadcasts, then the even halves (each
     /// sum's order is `kernel`'s: odd, then even, pair after pair).
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // v and r name registers: acc[r][v] in lockstep with x[r]
     unsafe fn wide<const R: usize>(t: &Tile, r0: usize, j: usize, np: usize) {
         let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
         let mut acc = [[_mm256_setzero_ps(); 4]; R];
