@@ -158,7 +158,7 @@ for w in $WORKS; do
           --repeat "$REPEAT" --json)
     [ -n "$DTYPE" ] && tcmd+=(--dtype "$DTYPE")
     run_side torch "${tcmd[@]}"; t_line="$LINE"
-    [ -n "$t_line" ] && TORCH_VER="torch $(json_get "$t_line" torch), transformers $(json_get "$t_line" transformers)"
+    [ -n "$t_line" ] && TORCH_VER="torch $(json_get "$t_line" torch), transformers $(json_get "$t_line" transformers), $(json_get "$t_line" attn) attention"
     # one slot per round; a failed side leaves it empty ('-'), and that round has no ratio
     e_tps="$( [ -n "$e_line" ] && json_get "$e_line" tokens_per_s )"
     t_tps="$( [ -n "$t_line" ] && json_get "$t_line" tokens_per_s )"

@@ -111,6 +111,8 @@ def main():
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="attention implementation (default: sdpa, transformers' default; eager was used until 2026-12-04)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last on stdout")
     args = p.parse_args()
@@ -122,7 +124,7 @@ def main():
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn)
     model.eval()
     with open(args.templates, "rb") as f:
         tpl = tomllib.load(f)
@@ -188,7 +190,7 @@ def main():
     total_s = time.perf_counter() - t_all
     res = {
         "impl": "torch", "work": "rollout-phase", "torch": torch.__version__,
-        "transformers": transformers.__version__, "dtype": args.dtype, "threads": args.threads,
+        "transformers": transformers.__version__, "dtype": args.dtype, "attn": args.attn, "threads": args.threads,
         "queries": len(recs), "group_size": n, "chunks": K, "chunk_tokens": args.chunk_tokens,
         "memory_tokens": args.memory_tokens, "answer_tokens": args.answer_tokens,
         "temperature": args.temperature, "generated_tokens": gen_tokens, "prefill_tokens": prefill,
