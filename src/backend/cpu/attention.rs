@@ -389,20 +389,34 @@ impl<T: KvElem> KvPages<T> {
             "sequence has {n} tokens but only {} pages",
             s.pages.len()
         );
-        for j in 0..n {
+        // by runs of keys inside one page and one panel: there a pair row of Kᵀ is two
+        // contiguous runs of the page's `[head_dim][page_size]` keys, zipped (the same words as
+        // key by key, without a strided gather per element)
+        let mut j = 0;
+        while j < n {
             let page = self.page(s.pages[j / ps]);
-            let (keys, vals) = (&page[kb..], &page[vb + (j % ps) * hd..][..hd]);
-            let kt_j = &mut kt[(j / pw) * kp * pw + j % pw..];
+            let end = ((j / ps + 1) * ps).min((j / pw + 1) * pw).min(n);
+            let (len, o) = (end - j, j % ps);
+            let kt_run = (j / pw) * kp * pw + j % pw;
             for q in 0..kp {
-                kt_j[q * pw] = keys[2 * q * ps + j % ps].bits() as u32
-                    | (keys[(2 * q + 1) * ps + j % ps].bits() as u32) << 16;
+                let lo = &page[kb + 2 * q * ps + o..][..len];
+                let hi = &page[kb + (2 * q + 1) * ps + o..][..len];
+                let dst = &mut kt[kt_run + q * pw..][..len];
+                for ((d, l), h) in dst.iter_mut().zip(lo).zip(hi) {
+                    *d = l.bits() as u32 | (h.bits() as u32) << 16;
+                }
             }
-            // value row j is the low (j even) or high half of its pair's words
-            let shift = 16 * (j % 2);
-            for (c, v) in vals.iter().enumerate() {
-                vp[(c / pw) * np * pw + (j / 2) * pw + c % pw] |=
-                    (v.bits() as u32) << shift;
+            for jj in j..end {
+                // value row jj is the low (jj even) or high half of its pair's words
+                let (vals, shift) = (&page[vb + (jj % ps) * hd..][..hd], 16 * (jj % 2));
+                for (c0, vs) in vals.chunks(pw).enumerate() {
+                    let dst = &mut vp[c0 * np * pw + (jj / 2) * pw..][..vs.len()];
+                    for (d, v) in dst.iter_mut().zip(vs) {
+                        *d |= (v.bits() as u32) << shift;
+                    }
+                }
             }
+            j = end;
         }
         let pr = bf16_attn::Products::new();
         let qs = (s.q_row, s.n_q, n - s.n_q);
