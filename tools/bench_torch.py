@@ -403,7 +403,6 @@ def run_cases(p, args, device, dtype):
         # the case's flags override the command line's (argparse keeps the last value)
         cargs = p.parse_args(_without_cases(base) + ["--work", work] + shlex.split(flags))
         cargs.case = name
-        cargs.attn = cargs.attn or "sdpa"
         cargs.seq_len = cargs.seq_len or (256 if work == "decode" else 512)
         try:
             last = {"score": cargs.score_last, "train": cargs.train_last}.get(work, 0)
@@ -449,7 +448,7 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--attn", choices=["eager", "sdpa"], help="attention implementation (default: sdpa, transformers' default)")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation (default: sdpa, transformers' default)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--repeat", type=int, default=1, help="timed runs (default 1)")
     p.add_argument("--stat", choices=["median", "best"], default="median")
@@ -475,7 +474,6 @@ def main():
         sys.exit("bench_torch: --device cuda but torch.cuda.is_available() is False")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    args.attn = args.attn or "sdpa"
     torch.set_num_threads(args.threads)
 
     if args.case:

@@ -76,7 +76,7 @@ def cells(rs, secs):
 eg, es, esc = cells(e, lambda r: r["update_s"] + r["final_s"])
 tg, ts, tsc = cells(t, lambda r: r["rollout_s"])
 print(f"| infomem-engine ({edt}) | {eg} | {es} | {em:.1f} | {esc:.3f} |")
-print(f"| PyTorch {t[0]['torch']} + transformers {t[0]['transformers']} ({tdt}, {t[0].get('attn', 'eager')} attention) | {tg} | {ts} | {tm:.1f} | {tsc:.3f} |")
+print(f"| PyTorch {t[0]['torch']} + transformers {t[0]['transformers']} ({tdt}, {t[0]['attn']} attention) | {tg} | {ts} | {tm:.1f} | {tsc:.3f} |")
 # each seed runs the engine then PyTorch back to back: their ratio pairs the same minute
 per = [a / b for a, b in zip(er, tr)]
 print(f"\nengine / PyTorch: {em / tm:.2f}x (ratio of the medians; per seed, each pair back to back: {', '.join(f'{x:.2f}' for x in per)}; their median {statistics.median(per):.2f}x)")
