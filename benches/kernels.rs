@@ -14,6 +14,10 @@ use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
 use std::hint::black_box;
 use std::time::Duration;
 
+/// The binary's allocator, so that buffers here start on cache lines as the engine's do.
+#[global_allocator]
+static ALLOC: infomem_engine::util::alloc::CachingAlloc = infomem_engine::util::alloc::CachingAlloc::new();
+
 const GEOM: AttnGeom = AttnGeom { n_layers: 1, n_heads: 9, n_kv_heads: 3, head_dim: 64, page_size: 64 };
 
 fn data(n: usize, seed: u32) -> Vec<f32> {

@@ -11,11 +11,21 @@
 //!
 //! The cache holds at most a quarter of physical memory (16 GiB at most); the oldest blocks are
 //! returned to the system first. `INFOMEM_ALLOC_CACHE_MB=0` turns it off.
+//!
+//! Large blocks also start on a cache line (`LINE`), whatever alignment the type asks for. glibc
+//! serves them from `mmap` 16 bytes into a page, so every 64-byte row of an f32 activation
+//! matrix straddled two lines: the AMX tile loads and stores touched twice the lines, and every
+//! AVX-512 load split. Measured on a 2-core Xeon with AMX (`bench --dtype bf16`, alternated with
+//! the previous binary): score +10–17 %, train +12 %, f32 score +6–10 %. A block is over-allocated
+//! by a line and the system's pointer kept in the 8 bytes before the one handed out (fresh zeroed
+//! blocks still come from `calloc`, untouched pages and all).
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 
 /// Blocks below this size go straight to the system allocator.
 const MIN: usize = 1 << 20;
+/// Large blocks start at a multiple of this (see the module doc).
+const LINE: usize = 64;
 const SLOTS: usize = 256;
 
 pub struct CachingAlloc {
@@ -56,6 +66,32 @@ fn machine_cap() -> usize {
         }
         ((pages as usize).saturating_mul(page as usize) / 4).min(16 << 30)
     }
+}
+
+/// A fresh block of `c ≥ MIN` bytes aligned to `align.max(LINE)` (zeroed if asked).
+unsafe fn system_alloc(c: usize, align: usize, zeroed: bool) -> *mut u8 {
+    if align > LINE {
+        let l = Layout::from_size_align_unchecked(c, align);
+        return if zeroed { System.alloc_zeroed(l) } else { System.alloc(l) };
+    }
+    // room for the stashed pointer and the shift to a line (the system's blocks are 8-aligned)
+    let l = Layout::from_size_align_unchecked(c + LINE, 8);
+    let raw = if zeroed { System.alloc_zeroed(l) } else { System.alloc(l) };
+    if raw.is_null() {
+        return raw;
+    }
+    let p = (raw as usize + 8).next_multiple_of(LINE) as *mut u8;
+    (p as *mut usize).sub(1).write(raw as usize);
+    p
+}
+
+/// Returns a block from `system_alloc` (same `c` and `align`) to the system.
+unsafe fn system_dealloc(p: *mut u8, c: usize, align: usize) {
+    if align > LINE {
+        return System.dealloc(p, Layout::from_size_align_unchecked(c, align));
+    }
+    let raw = (p as *mut usize).sub(1).read() as *mut u8;
+    System.dealloc(raw, Layout::from_size_align_unchecked(c + LINE, 8));
 }
 
 impl CachingAlloc {
@@ -104,7 +140,7 @@ unsafe impl GlobalAlloc for CachingAlloc {
         }
         match self.take(c, layout.align()) {
             Some(p) => p,
-            None => System.alloc(Layout::from_size_align_unchecked(c, layout.align())),
+            None => system_alloc(c, layout.align(), false),
         }
     }
 
@@ -118,14 +154,13 @@ unsafe impl GlobalAlloc for CachingAlloc {
                 std::ptr::write_bytes(p, 0, layout.size());
                 p
             }
-            // fresh pages from the kernel are zero already
-            None => System.alloc_zeroed(Layout::from_size_align_unchecked(c, layout.align())),
+            // fresh pages from the kernel are zero already (calloc)
+            None => system_alloc(c, layout.align(), true),
         }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         let c = class(layout.size());
-        let real = Layout::from_size_align_unchecked(c, layout.align());
         if c < MIN {
             return System.dealloc(ptr, layout);
         }
@@ -135,7 +170,7 @@ unsafe impl GlobalAlloc for CachingAlloc {
         }
         if c > g.cap {
             drop(g);
-            return System.dealloc(ptr, real);
+            return system_dealloc(ptr, c, layout.align());
         }
         // make room: return the oldest blocks to the system
         while g.len == SLOTS || g.bytes + c > g.cap {
@@ -144,7 +179,7 @@ unsafe impl GlobalAlloc for CachingAlloc {
             g.blocks.copy_within(1..len, 0);
             g.len -= 1;
             g.bytes -= oc;
-            System.dealloc(op as *mut u8, Layout::from_size_align_unchecked(oc, oa));
+            system_dealloc(op as *mut u8, oc, oa);
         }
         let len = g.len;
         g.blocks[len] = (c, layout.align(), ptr as usize);
@@ -183,6 +218,31 @@ mod tests {
             let c = class(s);
             assert!(c >= s && (c - s) * 8 <= s, "class({s}) = {c}");
             assert_eq!(class(c), c, "a class is its own class");
+        }
+    }
+
+    #[test]
+    fn large_blocks_start_on_a_line() {
+        // cap 0: every large block comes from the system and goes straight back
+        for cap in [0, 64 << 20] {
+            let a = CachingAlloc::with_cap(cap);
+            unsafe {
+                for (size, align) in [(MIN, 4), ((3 << 20) + 4, 4), (5 << 20, 16), (MIN + 1, 1)] {
+                    let l = Layout::from_size_align(size, align).unwrap();
+                    let p = a.alloc(l);
+                    assert_eq!(p as usize % LINE, 0, "alloc({size}, {align})");
+                    std::ptr::write_bytes(p, 5, size); // the whole block is ours
+                    let z = a.alloc_zeroed(l);
+                    assert_eq!(z as usize % LINE, 0, "alloc_zeroed({size}, {align})");
+                    assert!(std::slice::from_raw_parts(z, size).iter().all(|&b| b == 0));
+                    std::ptr::write_bytes(z, 6, size);
+                    let r = a.realloc(z, l, 2 * size);
+                    assert_eq!(r as usize % LINE, 0);
+                    assert!(std::slice::from_raw_parts(r, size).iter().all(|&b| b == 6), "realloc keeps the contents");
+                    a.dealloc(p, l);
+                    a.dealloc(r, Layout::from_size_align(2 * size, align).unwrap());
+                }
+            }
         }
     }
 

@@ -432,6 +432,7 @@ pub fn product(
                     amx::block_to(
                         a.as_ptr().add(s * lda),
                         lda,
+                        16, // row-major A: a 16-pair step is 16 words on
                         b.as_ptr().add(p * pstride),
                         pairs,
                         c.as_mut_ptr().add(s * ldc + p * T),

@@ -52,16 +52,23 @@
 //! bf16 peak vs 469 f32, the 4096-row products at 220 GFLOP/s), while `tdpbf16ps` multiplies a
 //! 16-row × 32-bf16 tile by a 32 × 16 tile per instruction. The packed panels are already its B
 //! operand (a pair row of a panel is 32 words = two 16-column tile rows, loaded with a 128-byte
-//! stride), and the converted A rows are its A operand; the driver is the same, with strips of 32
+//! stride), and A is converted straight into its A operand: per strip of 32 rows and 16-pair step,
+//! the two 16 × 16-word tiles as 2 KiB contiguous (`convert_tiles`; rows `pairs` words apart
+//! instead cost 5–20 %: 16 lines far apart per tile load); the driver is the same, with strips of 32
 //! rows (A padded with zero rows to whole strips) and one panel per call: 4 accumulator tiles, 2 A
-//! and 2 B tiles, per 16-pair step 4 tile loads and 4 `tdpbf16ps`. Each k block's 32 × 32 sums go
+//! and 2 B tiles, per 16-pair step 4 tile loads and 4 `tdpbf16ps`. C and the converted A must start
+//! on cache lines (the binary's allocator, `util::alloc`, and `CONVERTED`): a tile row that
+//! straddles two lines costs 15–20 % per operand (measured on the kernel alone). Each k block's 32 × 32 sums go
 //! to a scratch tile and into C as the other kernels store them. It takes the products whose k
 //! blocks are whole 16-pair steps (`amx_fits`; SmolLM2's reductions 576, 960, 1536, 3072 all are),
 //! chosen per product, never per row count: each element's `tdpbf16ps` sequence does not depend
 //! on the other rows, so rows stay batch invariant (tested, 1–3 threads). Its bits are not the
 //! `vdpbf16ps` order's (the hardware's internal order and precision differ; within the same f64
 //! bounds). Measured on that Xeon (`cargo bench --bench kernels -- "bf16 gemm"`): 4096-row
-//! products 980–1450 GFLOP/s (vdpbf16ps 210–225, f32 270–325). Strips of ≤ 16 valid rows
+//! products 980–1450 GFLOP/s (vdpbf16ps 210–225, f32 270–325) before A's tile layout and aligned
+//! buffers, 1145–1900 after (2026-12-05; PyTorch's oneDNN 2310–2780 on the same shapes). One
+//! core's `tdpbf16ps` alone issue at ~3 TFLOP/s there, with their four tile loads from L1 at 2.2;
+//! writing C (f32, 4 KiB per 32 × 32 block, write-allocate) is most of what is left. Strips of ≤ 16 valid rows
 //! (decode) take `block16`: one A tile and two alternating sets of B tiles, so the next step's
 //! loads overlap this step's products (the same `tdpbf16ps` sequence per element: same bits).
 //! Decode then streams 14–23 GiB/s of bf16 weights at 1 row (12–20 with the 32-row strip;
@@ -115,6 +122,8 @@ pub const NR: usize = 32;
 pub const MR: usize = 12;
 /// Rows per strip of the AMX kernel: two 16-row A tiles.
 const AMX_MR: usize = 32;
+/// Words from one 16-pair step of a strip to the next in the AMX kernel's A (`convert_tiles`).
+const TILE_STEP: usize = AMX_MR * 16;
 /// Reductions of up to this many pairs are one k block (a 12-row strip is then ≤ 15 KiB).
 const KC_ONE: usize = 320;
 /// Longer reductions are cut into equal blocks of at most this many pairs.
@@ -639,8 +648,9 @@ struct Job<'a> {
 }
 
 thread_local! {
-    /// The calling thread's A converted to bf16 pairs (reused across calls).
-    static CONVERTED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's A converted to bf16 pairs (reused across calls; on cache lines, so
+    /// that no tile row or vector load straddles two).
+    static CONVERTED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
     /// The smallest `bf16_exp` of each row of the calling thread's converted A (AVX2 kernel).
     static ROW_EXP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// A task thread's repacked panels of `dy W`.
@@ -677,14 +687,14 @@ impl Job<'_> {
         let (lda, wide) = (self.lda(), self.wide());
         let batch = self.m.min((CONVERTED_BYTES / (lda * 4) / mr).max(1) * mr);
         let mut conv = CONVERTED.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        if conv.len() < batch.next_multiple_of(mr) * lda {
-            conv.resize(batch.next_multiple_of(mr) * lda, 0); // grown only: every row used is written first
+        if conv.len() * 16 < batch.next_multiple_of(mr) * lda {
+            conv.resize((batch.next_multiple_of(mr) * lda).div_ceil(16), Line([0; 16])); // grown only: every row used is written first
         }
         let mut exps = if wide { ROW_EXP.with(|s| std::mem::take(&mut *s.borrow_mut())) } else { Vec::new() };
         if wide && exps.len() < batch {
             exps.resize(batch, 0);
         }
-        let cp = SendPtr(conv.as_mut_ptr());
+        let cp = SendPtr(conv.as_mut_ptr() as *mut u32);
         let ep = SendPtr(exps.as_mut_ptr());
         for rb in (0..self.m).step_by(batch) {
             let rows = batch.min(self.m - rb);
@@ -695,6 +705,8 @@ impl Job<'_> {
                     let rows_f32 = self.a.get().add((rb + i0) * self.red);
                     if wide {
                         convert_wide(rows_f32, self.red, i1 - i0, cp.get().add(i0 * lda) as *mut f32, ep.get().add(i0));
+                    } else if mr == AMX_MR {
+                        convert_tiles(rows_f32, self.red, i1 - i0, self.pairs, cp.get().add(i0 * self.pairs)); // i0: a multiple of AMX_MR
                     } else {
                         convert_strip(rows_f32, self.red, i1 - i0, 0, self.pairs, cp.get().add(i0 * self.pairs), self.micro != Micro::Portable);
                     }
@@ -710,8 +722,13 @@ impl Job<'_> {
             } else {
                 (0..pieces).for_each(convert);
             }
-            if mr == AMX_MR {
-                conv[rows * self.pairs..rows.next_multiple_of(mr) * self.pairs].fill(0);
+            if mr == AMX_MR && rows % AMX_MR != 0 {
+                // the last strip's rows past the batch: zero rows of its tiles
+                let strip = cp.get().wrapping_add((rows - rows % AMX_MR) * self.pairs);
+                for g in 0..self.pairs / 16 {
+                    // Safety: the strip's AMX_MR·pairs words lie inside `conv` (sized to whole strips)
+                    unsafe { std::slice::from_raw_parts_mut(strip.add(g * TILE_STEP + rows % AMX_MR * 16), (AMX_MR - rows % AMX_MR) * 16).fill(0) };
+                }
             }
             self.run_rows(rb, rows, cp.get(), if wide { ep.get() } else { std::ptr::null_mut() }, threads, mr);
         }
@@ -852,18 +869,19 @@ impl Job<'_> {
             let rows = AMX_MR.min(r1 - i);
             for pn in p0..p1 {
                 let j0 = pn * NR;
-                let (ai, bp) = (a.add((i - r0) * self.pairs + q0), panels.add((pn - p0) * kb * NR));
+                // the strip's tiles (`convert_tiles`) from pair q0 on
+                let (ai, bp) = (a.add((i - r0) * self.pairs + q0 / 16 * TILE_STEP), panels.add((pn - p0) * kb * NR));
                 let cols = (self.cols - j0).min(NR);
                 // a whole block written, not added to: the tiles store into C in place (the
                 // same bits as through `acc`, without the copy)
                 let direct = overwrite && rows == AMX_MR && cols == NR;
                 if direct {
-                    amx::block_to(ai, self.pairs, bp, kb, self.c.get().add(i * self.cols + j0), self.cols);
+                    amx::block_to(ai, 16, TILE_STEP, bp, kb, self.c.get().add(i * self.cols + j0), self.cols);
                 } else if rows <= 16 {
                     // decode: one A tile; the same tdpbf16ps sequence per element (same bits)
-                    amx::block16(ai, self.pairs, bp, kb, &mut acc);
+                    amx::block16(ai, 16, TILE_STEP, bp, kb, &mut acc);
                 } else {
-                    amx::block(ai, self.pairs, bp, kb, &mut acc);
+                    amx::block(ai, 16, TILE_STEP, bp, kb, &mut acc);
                 }
                 for r in 0..rows {
                     let c = std::slice::from_raw_parts_mut(self.c.get().add((i + r) * self.cols + j0), cols);
@@ -921,6 +939,21 @@ unsafe fn convert_strip(a: *const f32, red: usize, rows: usize, q0: usize, kb: u
         }
         if elems % 2 == 1 {
             o[full] = f32_to_bf16_bits(s[elems - 1]) as u32;
+        }
+    }
+}
+
+/// Rows `0..rows` of A (row stride `red`, `rows` from a strip's first row) to the AMX kernel's
+/// layout: per strip of AMX_MR rows, per step of 16 pairs, its AMX_MR × 16 pair words row by row
+/// (word `(r / 32)·32·pairs + (q / 16)·512 + (r % 32)·16 + q % 16`), so that each A tile is 1 KiB
+/// contiguous: 16 whole lines, against 16 rows `pairs` words apart that the hardware prefetcher
+/// does not follow (`pairs` is a multiple of 16: `amx_fits`).
+unsafe fn convert_tiles(a: *const f32, red: usize, rows: usize, pairs: usize, dst: *mut u32) {
+    debug_assert!(pairs % 16 == 0 && red.div_ceil(2) == pairs);
+    for r in 0..rows {
+        let d = dst.add(r / AMX_MR * AMX_MR * pairs + r % AMX_MR * 16);
+        for g in 0..pairs / 16 {
+            convert_strip(a.add(r * red), red, 1, 16 * g, 16, d.add(g * TILE_STEP), true);
         }
     }
 }
@@ -1230,15 +1263,17 @@ pub(crate) mod amx {
         asm!("tilerelease", options(nostack, nomem));
     }
 
-    /// `sums = A[32 rows at a, row stride lda words] · panel[kb pairs at b]` for one k block
-    /// (kb a multiple of 16). B tiles load straight from the packed panel (a pair row is NR
-    /// words = 128 bytes; its two 16-column halves are the two B tiles).
-    pub unsafe fn block(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums) {
-        block_to(a, lda, b, kb, sums.0.as_mut_ptr(), NR);
+    /// `sums = A[32 rows at a] · panel[kb pairs at b]` for one k block (kb a multiple of 16). A's
+    /// rows are `lda` words apart, and its 16-pair steps `astep` words apart: row-major A has
+    /// (lda, astep) = (pairs, 16), the GEMM's tile layout (16, TILE_STEP). B tiles load straight
+    /// from the packed panel (a pair row is NR words = 128 bytes; its two 16-column halves are the
+    /// two B tiles).
+    pub unsafe fn block(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, sums: &mut Sums) {
+        block_to(a, lda, astep, b, kb, sums.0.as_mut_ptr(), NR);
     }
 
     /// `block` storing the 32 × 32 sums at `c` (row stride `ldc` f32), all 32 rows and columns.
-    pub unsafe fn block_to(a: *const u32, lda: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
+    pub unsafe fn block_to(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
         debug_assert!(kb % 16 == 0);
         asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
         let mut s = 0;
@@ -1252,8 +1287,8 @@ pub(crate) mod amx {
                 "tdpbf16ps tmm1, tmm4, tmm7",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                a0 = in(reg) a.add(s),
-                a1 = in(reg) a.add(16 * lda + s),
+                a0 = in(reg) a.add(s / 16 * astep),
+                a1 = in(reg) a.add(16 * lda + s / 16 * astep),
                 sa = in(reg) lda * 4,
                 b0 = in(reg) b.add(s * NR),
                 b1 = in(reg) b.add(s * NR + 16),
@@ -1280,7 +1315,7 @@ pub(crate) mod amx {
     /// tile and the panel's two B tiles per step, alternating between two register sets so the
     /// next step's tile loads (from memory: the weights stream) overlap this step's products.
     /// Each accumulator sees the same `tdpbf16ps` sequence as in `block`, so the bits are equal.
-    pub unsafe fn block16(a: *const u32, lda: usize, b: *const u32, kb: usize, sums: &mut Sums) {
+    pub unsafe fn block16(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, sums: &mut Sums) {
         debug_assert!(kb % 16 == 0);
         asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
         let mut s = 0;
@@ -1296,8 +1331,8 @@ pub(crate) mod amx {
                 "tdpbf16ps tmm1, tmm2, tmm5",
                 "tdpbf16ps tmm0, tmm3, tmm6",
                 "tdpbf16ps tmm1, tmm3, tmm7",
-                a0 = in(reg) a.add(s),
-                a2 = in(reg) a.add(s + 16),
+                a0 = in(reg) a.add(s / 16 * astep),
+                a2 = in(reg) a.add((s / 16 + 1) * astep),
                 sa = in(reg) lda * 4,
                 b0 = in(reg) b.add(s * NR),
                 b1 = in(reg) b.add(s * NR + 16),
@@ -1315,7 +1350,7 @@ pub(crate) mod amx {
                 "tileloadd tmm5, [{b1} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm2, tmm4",
                 "tdpbf16ps tmm1, tmm2, tmm5",
-                a0 = in(reg) a.add(s),
+                a0 = in(reg) a.add(s / 16 * astep),
                 sa = in(reg) lda * 4,
                 b0 = in(reg) b.add(s * NR),
                 b1 = in(reg) b.add(s * NR + 16),
