@@ -13,7 +13,7 @@
 //! | memory | embed, gather_rows, scale_rows, scatter_add_rows, casts | cpu/memory.rs | cuda/memory.rs | kernels/memory.cu |
 //! | attention | paged causal GQA attention (prefill, scoring, decode); the KV cache (kv_new, kv_store, kv_copy_page) | cpu/attention.rs | cuda/attention.rs | kernels/attention.cu |
 //! | attention_dense | training attention forward (+ lse) and backward | cpu/attention_dense.rs | cuda/attention_dense.rs | kernels/attention_dense.cu |
-//! | matmul | matmul, lora, matmul_lora, matmul_dx, lora_bwd, matmul_dx_lora, lora_merge | cpu/matmul.rs (+ gemm512.rs, lora.rs) | cuda/gemm.rs (cuBLASLt) | — |
+//! | matmul | matmul, lora, matmul_lora, matmul_lora_swiglu, matmul_dx, lora_bwd, matmul_dx_lora, lora_merge | cpu/matmul.rs (+ gemm512.rs, lora.rs) | cuda/gemm.rs (cuBLASLt) | — |
 //! | logprob | logprobs, head_grad (vocabulary tiles, online softmax) | cpu/logprob.rs | cuda/logprob.rs | kernels/logprob.cu |
 //! | sample | sample | cpu/sample.rs | cuda/sample.rs | kernels/sample.cu |
 //! | optim | sum_squares, scale, accumulate, adamw | cpu/optim.rs | cuda/optim.rs | kernels/optim.cu |
@@ -306,6 +306,16 @@ pub trait Backend: Send + Sync {
     fn attention(&self, kv: &Self::Kv, layer: usize, qkv: &Self::Buf, seqs: &[AttnSeq], geom: AttnGeom, out: &mut Self::Buf) -> Result<()>;
     /// `out[m, i] = silu(gate) · up` from `gate_up [m, 2i]`.
     fn swiglu(&self, gate_up: &Self::Buf, m: usize, i: usize, out: &mut Self::Buf) -> Result<()>;
+    /// `matmul_lora` of `x [m, k]` through the gate/up weight `w [2i, k]` into `gate_up [m, 2i]`,
+    /// then `swiglu` into `act [m, i]`, as one op so that a backend can apply SwiGLU to each block
+    /// of the product while it is in registers and never write `gate_up` (the CPU's bf16 GEMM on
+    /// AMX does; `gate_up` then holds whatever it held). The same `act` as the separate ops. For
+    /// the forward without gradients: the training forward keeps `gate_up` for the backward.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_lora_swiglu(&self, x: &Self::Buf, w: &Self::Buf, m: usize, k: usize, i: usize, gate_up: &mut Self::Buf, act: &mut Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>]) -> Result<()> {
+        self.matmul_lora(x, w, None, m, k, 2 * i, gate_up, pairs)?;
+        self.swiglu(gate_up, m, i, act)
+    }
     /// Log-probability of `targets[row]` under `softmax(h[row] · headᵀ)`, `h [rows, d]`, without
     /// materializing `[rows, vocab]` logits (vocab tiles, online log-sum-exp).
     fn logprobs(&self, h: &Self::Buf, head: &Self::Buf, targets: &[u32], d: usize, vocab: usize) -> Result<Vec<f32>>;

@@ -119,8 +119,7 @@ impl<B: Backend> Model<B> {
             prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
             prof::time("matmul_o", || be.matmul_lora(&att, &w.o, w.o_bias.as_ref(), n, q_dim, d, &mut o, &ls(&[(Proj::O, 0)])))?;
             prof::time("add_rmsnorm", || be.add_rmsnorm(&mut x, &o, &w.mlp_norm, cfg.rms_eps, n, d, &mut h))?;
-            prof::time("matmul_gate_up", || be.matmul_lora(&h, &w.gate_up, None, n, d, 2 * inter, &mut gu, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
-            prof::time("swiglu", || be.swiglu(&gu, n, inter, &mut act))?;
+            prof::time("matmul_gate_up_swiglu", || be.matmul_lora_swiglu(&h, &w.gate_up, n, d, inter, &mut gu, &mut act, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
             prof::time("matmul_down", || be.matmul_lora(&act, &w.down, None, n, inter, d, &mut o, &ls(&[(Proj::Down, 0)])))?;
             match self.layers.get(l + 1) {
                 Some(next) => be.add_rmsnorm(&mut x, &o, &next.attn_norm, cfg.rms_eps, n, d, &mut h)?,

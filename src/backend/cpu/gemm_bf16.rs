@@ -74,6 +74,8 @@
 //! Decode then streams 14–23 GiB/s of bf16 weights at 1 row (12–20 with the 32-row strip;
 //! vdpbf16ps 17–29; read bandwidth 23): still faster than f32 per product (half the bytes), but
 //! below `vdpbf16ps` — software prefetch did not help; this is where the AMX path has room left.
+//! Without gradients the gate/up product can end in SwiGLU (`matmul_swiglu_bf16_tails`, AMX only:
+//! its sums land in scratch tiles anyway), so the gate/up matrix is never written.
 //!
 //! **Without AVX512_BF16** (`Kernel::Avx2`: what `Auto` runs on such a CPU, e.g. AMD Zen 2/3
 //! or Intel client cores; `INFOMEM_BF16_PORTABLE=1` forces it where `vdpbf16ps` exists): the same
@@ -535,6 +537,53 @@ pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&
         micro: kernel.micro(w.pairs, w.kc),
         tails,
         tail_u,
+        glu: SendPtr(std::ptr::null_mut()),
+    };
+    job.run(parallel);
+}
+
+/// Whether `matmul_swiglu_bf16_tails` runs fused for the gate/up weight `w` (`[2·inter, k]`) on
+/// this machine: on AMX tiles (the kernel whose blocks land in scratch tiles anyway), with the
+/// gate and up halves in whole panels.
+pub fn swiglu_fusable(w: &PackedBf16, inter: usize) -> bool {
+    w.n == 2 * inter && inter > 0 && inter.is_multiple_of(NR) && w.k > 0 && Kernel::Auto.micro(w.pairs, w.kc) == Micro::Amx
+}
+
+/// `act[m, inter] = silu(g) · u` where `[g | u] = x · Wᵀ` (+ each tail, as `matmul_bf16_tails`
+/// adds them) and `W` is the `[2·inter, k]` gate rows then up rows: SwiGLU fused into the
+/// product. Each strip of 32 rows × 32 columns of g and of u is summed over every k block in
+/// scratch tiles (the same block sums, added in the same order, then the tails, as the unfused
+/// product writes to C), and `simd::silu_mul` — `swiglu`'s own function — turns the pair into
+/// `act`. So the bits are those of `matmul_bf16_tails` then `swiglu::swiglu`, and the `[m,
+/// 2·inter]` gate/up matrix is never written: at 4096 rows × 1536 that is 50 MB written (and
+/// read for ownership) and read back, per layer. Only where `swiglu_fusable`.
+///
+/// # Safety
+/// As `matmul_bf16_tails` (the tails' columns are the gate/up columns).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_swiglu_bf16_tails(x: &[f32], w: &PackedBf16, m: usize, k: usize, inter: usize, act: &mut [f32], parallel: bool, tails: &[Tail], tail_u: Option<&TailU>) {
+    assert!(swiglu_fusable(w, inter) && w.k == k, "matmul_swiglu_bf16: weight [{}, {}] is not a fusable gate/up pair for inter {inter}, k {k}", w.n, w.k);
+    assert!(tails.iter().all(|t| t.col0 + t.ncols <= 2 * inter), "matmul_swiglu_bf16: a tail outside the output");
+    assert!(x.len() >= m * k && act.len() >= m * inter, "matmul_swiglu_bf16: buffer too small");
+    if m == 0 {
+        return;
+    }
+    let job = Job {
+        a: SendPtr(x.as_ptr() as *mut f32),
+        red: k,
+        pairs: w.pairs,
+        kc: w.kc,
+        m,
+        cols: 2 * inter,
+        panels: w.panels,
+        c: SendPtr(std::ptr::null_mut()),
+        bias: SendPtr(std::ptr::null_mut()),
+        accumulate: false,
+        src: Source::Forward(w),
+        micro: Micro::Amx,
+        tails,
+        tail_u,
+        glu: SendPtr(act.as_mut_ptr()),
     };
     job.run(parallel);
 }
@@ -586,6 +635,7 @@ pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, 
         micro: kernel.micro(pairs, k_block_pairs(pairs)),
         tails,
         tail_u: None,
+        glu: SendPtr(std::ptr::null_mut()),
     };
     job.run(parallel);
 }
@@ -645,6 +695,9 @@ struct Job<'a> {
     tails: &'a [Tail],
     /// computed per converted piece of rows, for the tails
     tail_u: Option<&'a TailU>,
+    /// SwiGLU fused (`matmul_swiglu_bf16_tails`): C is not written; `act [m, cols / 2]` gets
+    /// `silu(C[:, j]) · C[:, cols / 2 + j]`. Null otherwise.
+    glu: SendPtr<f32>,
 }
 
 thread_local! {
@@ -722,7 +775,7 @@ impl Job<'_> {
             } else {
                 (0..pieces).for_each(convert);
             }
-            if mr == AMX_MR && rows % AMX_MR != 0 {
+            if mr == AMX_MR && !rows.is_multiple_of(AMX_MR) {
                 // the last strip's rows past the batch: zero rows of its tiles
                 let strip = cp.get().wrapping_add((rows - rows % AMX_MR) * self.pairs);
                 for g in 0..self.pairs / 16 {
@@ -742,15 +795,18 @@ impl Job<'_> {
     /// smallest exponents at `exps`, else null), split into tasks.
     fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, exps: *const u8, threads: usize, mr: usize) {
         // Columns: runs of panels whose k block fits CHUNK_BYTES, equal-sized; decode (one strip)
-        // splits into ~4 runs per thread for balance.
-        let cap = (CHUNK_BYTES / (self.kc * NR * 4)).max(1);
+        // splits into ~4 runs per thread for balance. Fused SwiGLU runs over the gate panels,
+        // each with its up panel and every k block.
+        let glu = !self.glu.get().is_null();
+        let (units, unit_bytes) = if glu { (self.panels / 2, 2 * self.pairs * NR * 4) } else { (self.panels, self.kc * NR * 4) };
+        let cap = (CHUNK_BYTES / unit_bytes).max(1);
         let strips = rows.div_ceil(mr);
-        let mut chunks = self.panels.div_ceil(cap);
+        let mut chunks = units.div_ceil(cap);
         if threads > 1 && strips == 1 {
-            chunks = chunks.max((4 * threads).min(self.panels));
+            chunks = chunks.max((4 * threads).min(units));
         }
-        let per_chunk = self.panels.div_ceil(chunks);
-        let chunks = self.panels.div_ceil(per_chunk);
+        let per_chunk = units.div_ceil(chunks);
+        let chunks = units.div_ceil(per_chunk);
         // Rows: enough groups for ~4 tasks per thread, a multiple of the thread count.
         let mut groups = 1;
         if threads > 1 && strips > 1 {
@@ -767,7 +823,7 @@ impl Job<'_> {
         let lda = self.lda();
         let task = |t: usize| {
             let (ci, gi) = (t % chunks, t / chunks);
-            let (p0, p1) = (ci * per_chunk, ((ci + 1) * per_chunk).min(self.panels));
+            let (p0, p1) = (ci * per_chunk, ((ci + 1) * per_chunk).min(units));
             let (r0, r1) = (gi * per_group, ((gi + 1) * per_group).min(rows));
             // Safety: tasks write disjoint (row range × column run) tiles of C; every extent was
             // checked against the buffers by the public entry points.
@@ -784,6 +840,10 @@ impl Job<'_> {
     /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `lda()`; for the AVX2
     /// kernel the rows' smallest exponents at `exps`), every k block.
     unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32, exps: *const u8) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.glu.get().is_null() {
+            return self.task_glu(p0, p1, r0, r1, a);
+        }
         let mut repack = Vec::new();
         if let Source::Transposed(_) = self.src {
             repack = REPACK.with(|s| std::mem::take(&mut *s.borrow_mut()));
@@ -910,12 +970,66 @@ impl Job<'_> {
     /// The rows are this task's; the tails' extents as the entry points require.
     unsafe fn tails_at(&self, i: usize, rows: usize, p0: usize, p1: usize) {
         let (lo, hi) = (p0 * NR, (p1 * NR).min(self.cols));
+        self.tails_into(i, rows, lo, hi, self.c.get().add(i * self.cols + lo), self.cols);
+    }
+
+    /// The tails on rows `i..i+rows` × columns `lo..hi`, into `c` (column `lo` of row `i`, row
+    /// stride `ldc`).
+    unsafe fn tails_into(&self, i: usize, rows: usize, lo: usize, hi: usize, c: *mut f32, ldc: usize) {
         for t in self.tails {
             let (j0, j1) = (lo.max(t.col0), hi.min(t.col0 + t.ncols));
             if j0 < j1 {
-                super::lora::product(rows, j1 - j0, t.r, t.u.get().add(i * t.ldu), t.ldu, 1, t.b.get().add(j0 - t.col0), t.ldb, self.c.get().add(i * self.cols + j0), self.cols, t.alpha, true);
+                super::lora::product(rows, j1 - j0, t.r, t.u.get().add(i * t.ldu), t.ldu, 1, t.b.get().add(j0 - t.col0), t.ldb, c.add(j0 - lo), ldc, t.alpha, true);
             }
         }
+    }
+
+    /// Fused SwiGLU (`matmul_swiglu_bf16_tails`): gate panels `p0..p1` (each with its up panel
+    /// `h` panels on) × rows `r0..r1`, every k block per strip and panel pair. Per 32 × 32 block:
+    /// the first k block's sums, then each later block's added, then the bias and the tails —
+    /// `block_amx`'s arithmetic on C — then `silu_mul` of the gate and up blocks into `act`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn task_glu(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
+        let (w, h) = (self.weight(), self.panels / 2);
+        let inter = h * NR;
+        let blocks = self.pairs.div_ceil(self.kc);
+        let mut acc = amx::Sums([0f32; AMX_MR * NR]);
+        let mut sums = [amx::Sums([0f32; AMX_MR * NR]), amx::Sums([0f32; AMX_MR * NR])];
+        amx::configure();
+        let mut i = r0;
+        while i < r1 {
+            let rows = AMX_MR.min(r1 - i);
+            for pn in p0..p1 {
+                for (half, s) in sums.iter_mut().enumerate() {
+                    let pp = pn + half * h;
+                    for b in 0..blocks {
+                        let q0 = b * self.kc;
+                        let kb = self.kc.min(self.pairs - q0);
+                        let (ai, bp) = (a.add((i - r0) * self.pairs + q0 / 16 * TILE_STEP), w.words().add(w.block_off(b) + pp * kb * NR));
+                        let dst = if b == 0 { &mut *s } else { &mut acc };
+                        if rows <= 16 {
+                            amx::block16(ai, 16, TILE_STEP, bp, kb, dst);
+                        } else {
+                            amx::block(ai, 16, TILE_STEP, bp, kb, dst);
+                        }
+                        if b > 0 {
+                            s.0[..rows * NR].iter_mut().zip(&acc.0[..rows * NR]).for_each(|(c, &x)| *c += x);
+                        }
+                    }
+                    if !self.bias.get().is_null() {
+                        let bs = std::slice::from_raw_parts(self.bias.get().add(pp * NR), NR);
+                        s.0[..rows * NR].chunks_exact_mut(NR).for_each(|row| row.iter_mut().zip(bs).for_each(|(c, &b)| *c += b));
+                    }
+                    self.tails_into(i, rows, pp * NR, pp * NR + NR, s.0.as_mut_ptr(), NR);
+                }
+                for r in 0..rows {
+                    let out = std::slice::from_raw_parts_mut(self.glu.get().add((i + r) * inter + pn * NR), NR);
+                    super::simd::silu_mul(&sums[0].0[r * NR..(r + 1) * NR], &sums[1].0[r * NR..(r + 1) * NR], out);
+                }
+            }
+            i += AMX_MR;
+        }
+        amx::release();
     }
 }
 
@@ -949,7 +1063,7 @@ unsafe fn convert_strip(a: *const f32, red: usize, rows: usize, q0: usize, kb: u
 /// contiguous: 16 whole lines, against 16 rows `pairs` words apart that the hardware prefetcher
 /// does not follow (`pairs` is a multiple of 16: `amx_fits`).
 unsafe fn convert_tiles(a: *const f32, red: usize, rows: usize, pairs: usize, dst: *mut u32) {
-    debug_assert!(pairs % 16 == 0 && red.div_ceil(2) == pairs);
+    debug_assert!(pairs.is_multiple_of(16) && red.div_ceil(2) == pairs);
     for r in 0..rows {
         let d = dst.add(r / AMX_MR * AMX_MR * pairs + r % AMX_MR * 16);
         for g in 0..pairs / 16 {

@@ -18,7 +18,7 @@
 //! With a bf16 weight the pairs are fused into the projection's GEMM (`matmul_lora`,
 //! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache, and the
 //! pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`).
-use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, Kernel, PackedBf16, Tail, TailU};
+use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, PackedBf16, Tail, TailU};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 
@@ -246,6 +246,36 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
     let tu = TailU { at: SendPtr(at.as_ptr() as *mut f32), r: rs, u: up };
     // Safety: u [m, rs], Aᵀ [k, rs], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
     unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, true, &tails, Some(&tu)) }
+}
+
+/// `act[m, inter] = silu(g) · u` of `[g | u] = x Wᵀ` plus the pairs' terms (`matmul_lora`), `w`
+/// the `[2·inter, k]` gate/up weight. Fused where `swiglu_fusable` (and, with pairs, on more than
+/// `FEW_ROWS` rows, where the GEMM carries the pairs as tails): `gate_up` is not written then.
+/// Otherwise `matmul_lora` into `gate_up`, then `swiglu`. The same bits either way.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_lora_swiglu(x: &[f32], w: &PackedBf16, m: usize, k: usize, inter: usize, gate_up: &mut [f32], act: &mut [f32], pairs: &[Pair]) {
+    let n = 2 * inter;
+    pairs.iter().for_each(|p| p.check(k, n));
+    let live: Vec<&Pair> = pairs.iter().filter(|p| p.r > 0 && p.n_out > 0).collect();
+    if !swiglu_fusable(w, inter) || w.k() != k || (m <= FEW_ROWS && !live.is_empty()) {
+        matmul_lora(x, w, None, m, k, n, gate_up, pairs);
+        return super::swiglu::swiglu(gate_up, m, inter, act);
+    }
+    if live.is_empty() {
+        // Safety: no tails
+        return unsafe { matmul_swiglu_bf16_tails(x, w, m, k, inter, act, true, &[], None) };
+    }
+    // the tails as `matmul_lora_with` sets them up
+    let (offs, rs) = side_by_side(&live);
+    let at = stacked_at(&live, k, rs);
+    let bts: Vec<Vec<f32>> = live.iter().map(|p| transpose(&p.b[..p.n_out * p.r], p.n_out, p.r)).collect();
+    let mut u = vec![0f32; m * rs];
+    let up = SendPtr(u.as_mut_ptr());
+    // Safety (`add`): offsets inside u's rows
+    let tails: Vec<Tail> = live.iter().zip(&bts).zip(&offs).map(|((p, bt), &o)| Tail { u: SendPtr(unsafe { up.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(bt.as_ptr() as *mut f32), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out }).collect();
+    let tu = TailU { at: SendPtr(at.as_ptr() as *mut f32), r: rs, u: up };
+    // Safety: u [m, rs], Aᵀ [k, rs], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
+    unsafe { matmul_swiglu_bf16_tails(x, w, m, k, inter, act, true, &tails, Some(&tu)) }
 }
 
 /// `dx = dy W` on the bf16 `w` (`dy [m, n]`), then `lora_bwd` of each pair in order with dx
@@ -558,6 +588,60 @@ mod tests {
                     assert!(same, "{name} kernel and portable loop differ at {m}x{n}x{kk} (column-major A: {col_major}, accumulate {accumulate})");
                 }
             }
+        }
+    }
+
+    /// `matmul_lora_swiglu` gives `matmul_lora` then `swiglu`'s bits, 1 and 2 threads, fused
+    /// (where this CPU has AMX: then `gate_up` is left as it was) or not: with and without pairs,
+    /// tails on the gate half, the up half and across the two, one and three k blocks (k 576,
+    /// 1536), decode rows (fused without pairs, separate with), rows off the 32-row strips, an
+    /// odd k, A in two row batches, and an `inter` off the panels (never fused).
+    #[test]
+    fn swiglu_fused_equals_separate() {
+        use crate::backend::cpu::gemm_bf16::{swiglu_fusable, PackedBf16};
+        let mut rng = Rng::new(34);
+        // (m, k, inter, pairs as (r, col0, n_out))
+        let cases: &[(usize, usize, usize, &[(usize, usize, usize)])] = &[
+            (70, 576, 1536, &[(16, 0, 1536), (16, 1536, 1536)]),
+            (8, 576, 1536, &[]),
+            (8, 576, 1536, &[(16, 0, 1536)]),
+            (17, 576, 1536, &[(16, 1536, 1536)]),
+            (100, 1536, 256, &[(4, 100, 50), (8, 200, 200)]),
+            (45, 64, 64, &[]),
+            (13, 31, 96, &[(3, 90, 20)]),
+            (2800, 3072, 64, &[(8, 0, 128)]),
+            (20, 64, 40, &[(4, 30, 20)]),
+        ];
+        let mut fused_any = false;
+        for &(m, k, inter, shape) in cases {
+            let n = 2 * inter;
+            let x = rand(&mut rng, m * k);
+            let w = rand(&mut rng, n * k);
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let ab: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, n_out)| (rand(&mut rng, r * k), rand(&mut rng, n_out * r))).collect();
+            let pairs: Vec<Pair> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| Pair { a, b, scale: 0.7, r, col0, n_out }).collect();
+            let fused = swiglu_fusable(&pw, inter) && (m > FEW_ROWS || pairs.is_empty());
+            fused_any |= fused;
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    let mut gu = vec![0f32; m * n];
+                    matmul_lora(&x, &pw, None, m, k, n, &mut gu, &pairs);
+                    let mut want = vec![0f32; m * inter];
+                    super::super::swiglu::swiglu(&gu, m, inter, &mut want);
+                    assert!(want.iter().any(|&v| v != want[0]), "values, not one number");
+                    let mut scratch = vec![f32::NAN; m * n];
+                    let mut got = vec![f32::NAN; m * inter + 1];
+                    matmul_lora_swiglu(&x, &pw, m, k, inter, &mut scratch, &mut got[..m * inter], &pairs);
+                    assert!(got[m * inter].is_nan(), "wrote past act");
+                    let bad = got[..m * inter].iter().zip(&want).position(|(g, w)| g.to_bits() != w.to_bits());
+                    assert!(bad.is_none(), "m{m} k{k} inter{inter} pairs {shape:?}, {threads} threads (fused {fused}): element {bad:?} differs");
+                    assert_eq!(scratch.iter().all(|v| v.is_nan()), fused, "gate_up scratch written iff not fused");
+                });
+            }
+        }
+        if !fused_any {
+            eprintln!("note: no AMX on this CPU (or INFOMEM_AMX=0): the fused SwiGLU was not run, only its fallback");
         }
     }
 

@@ -223,6 +223,18 @@ impl Backend for CpuBackend {
         lora::matmul_lora(x, pw, bias.map(|b| b.as_slice()), m, k, n, out, &hp);
         Ok(())
     }
+    fn matmul_lora_swiglu(&self, x: &CpuBuf, w: &CpuBuf, m: usize, k: usize, i: usize, gate_up: &mut CpuBuf, act: &mut CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>]) -> Result<()> {
+        // fused on a one-tile bf16 weight (lora::matmul_lora_swiglu); else the separate ops
+        let Some(pw) = w.bf16().and_then(|p| p.single()) else {
+            self.matmul_lora(x, w, None, m, k, 2 * i, gate_up, pairs)?;
+            return self.swiglu(gate_up, m, i, act);
+        };
+        ensure!(pw.n() == 2 * i && pw.k() == k, "matmul_lora_swiglu: bf16 weight [{}, {}] for a [{}, {k}] gate/up product", pw.n(), pw.k(), 2 * i);
+        ensure!(x.len() >= m * k && gate_up.len() >= m * 2 * i && act.len() >= m * i, "matmul_lora_swiglu: buffers too small");
+        let hp = host_pairs(pairs, k, 2 * i)?;
+        lora::matmul_lora_swiglu(x, pw, m, k, i, gate_up, act, &hp);
+        Ok(())
+    }
     fn rope(&self, qkv: &mut CpuBuf, positions: &[u32], inv_freq: &[f32], g: AttnGeom) -> Result<()> {
         check_freqs("rope", inv_freq, g)?;
         rope::rope_qkv(qkv, positions, inv_freq, g.n_heads, g.n_kv_heads, g.head_dim, 1.0);
