@@ -523,21 +523,10 @@ pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&
         return;
     }
     let job = Job {
-        a: SendPtr(x.as_ptr() as *mut f32),
-        red: k,
-        pairs: w.pairs,
-        kc: w.kc,
-        m,
-        cols: n,
-        panels: w.panels,
         c: SendPtr(out.as_mut_ptr()),
         bias: bias.map_or(SendPtr(std::ptr::null_mut()), |b| SendPtr(b.as_ptr() as *mut f32)),
-        accumulate: false,
-        src: Source::Forward(w),
         micro: kernel.micro(w.pairs, w.kc),
-        tails,
-        tail_u,
-        glu: SendPtr(std::ptr::null_mut()),
+        ..Job::forward(x, w, m, tails, tail_u)
     };
     job.run(parallel);
 }
@@ -568,23 +557,7 @@ pub(crate) unsafe fn matmul_swiglu_bf16_tails(x: &[f32], w: &PackedBf16, m: usiz
     if m == 0 {
         return;
     }
-    let job = Job {
-        a: SendPtr(x.as_ptr() as *mut f32),
-        red: k,
-        pairs: w.pairs,
-        kc: w.kc,
-        m,
-        cols: 2 * inter,
-        panels: w.panels,
-        c: SendPtr(std::ptr::null_mut()),
-        bias: SendPtr(std::ptr::null_mut()),
-        accumulate: false,
-        src: Source::Forward(w),
-        micro: Micro::Amx,
-        tails,
-        tail_u,
-        glu: SendPtr(act.as_mut_ptr()),
-    };
+    let job = Job { glu: SendPtr(act.as_mut_ptr()), ..Job::forward(x, w, m, tails, tail_u) };
     job.run(parallel);
 }
 
@@ -710,7 +683,29 @@ thread_local! {
     static REPACK: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-impl Job<'_> {
+impl<'a> Job<'a> {
+    /// `x · Wᵀ` for `x [m, w.k]`: no C, bias or SwiGLU yet (the entry points set theirs), the
+    /// microkernel `Auto` picks.
+    fn forward(x: &[f32], w: &'a PackedBf16, m: usize, tails: &'a [Tail], tail_u: Option<&'a TailU>) -> Self {
+        Job {
+            a: SendPtr(x.as_ptr() as *mut f32),
+            red: w.k,
+            pairs: w.pairs,
+            kc: w.kc,
+            m,
+            cols: w.n,
+            panels: w.panels,
+            c: SendPtr(std::ptr::null_mut()),
+            bias: SendPtr(std::ptr::null_mut()),
+            accumulate: false,
+            src: Source::Forward(w),
+            micro: Kernel::Auto.micro(w.pairs, w.kc),
+            tails,
+            tail_u,
+            glu: SendPtr(std::ptr::null_mut()),
+        }
+    }
+
     /// Words per row of converted A: a pair word each, or for the AVX2 kernel (`wide`) both
     /// values of a pair as f32 (rounded to bf16), so its broadcasts are plain loads.
     fn lda(&self) -> usize {

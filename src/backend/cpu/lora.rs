@@ -235,17 +235,23 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
         }
         return;
     }
-    // u of every pair from one product: their Aᵀ side by side ([k, rs]), u [m, rs]
-    let (offs, rs) = side_by_side(&pairs);
-    let at = stacked_at(&pairs, k, rs);
+    // Safety: the tails' buffers (`with_forward_tails`); columns checked in `check`.
+    with_forward_tails(&pairs, m, k, |tails, tu| unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, true, tails, Some(tu)) })
+}
+
+/// The forward's pairs as the GEMM's tails: `u` of every pair from one product (their Aᵀ side by
+/// side, `[k, rs]`; u `[m, rs]`, filled by the GEMM: `TailU`), each pair's Bᵀ; `run` gets the
+/// tails and their `TailU`, valid while it runs.
+fn with_forward_tails<R>(pairs: &[&Pair], m: usize, k: usize, run: impl FnOnce(&[Tail], &TailU) -> R) -> R {
+    let (offs, rs) = side_by_side(pairs);
+    let at = stacked_at(pairs, k, rs);
     let bts: Vec<Vec<f32>> = pairs.iter().map(|p| transpose(&p.b[..p.n_out * p.r], p.n_out, p.r)).collect();
     let mut u = vec![0f32; m * rs];
     let up = SendPtr(u.as_mut_ptr());
     // Safety (`add`): offsets inside u's rows
     let tails: Vec<Tail> = pairs.iter().zip(&bts).zip(&offs).map(|((p, bt), &o)| Tail { u: SendPtr(unsafe { up.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(bt.as_ptr() as *mut f32), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out }).collect();
     let tu = TailU { at: SendPtr(at.as_ptr() as *mut f32), r: rs, u: up };
-    // Safety: u [m, rs], Aᵀ [k, rs], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
-    unsafe { matmul_bf16_tails(x, w, bias, m, k, n, out, kernel, true, &tails, Some(&tu)) }
+    run(&tails, &tu)
 }
 
 /// `act[m, inter] = silu(g) · u` of `[g | u] = x Wᵀ` plus the pairs' terms (`matmul_lora`), `w`
@@ -265,17 +271,8 @@ pub fn matmul_lora_swiglu(x: &[f32], w: &PackedBf16, m: usize, k: usize, inter: 
         // Safety: no tails
         return unsafe { matmul_swiglu_bf16_tails(x, w, m, k, inter, act, true, &[], None) };
     }
-    // the tails as `matmul_lora_with` sets them up
-    let (offs, rs) = side_by_side(&live);
-    let at = stacked_at(&live, k, rs);
-    let bts: Vec<Vec<f32>> = live.iter().map(|p| transpose(&p.b[..p.n_out * p.r], p.n_out, p.r)).collect();
-    let mut u = vec![0f32; m * rs];
-    let up = SendPtr(u.as_mut_ptr());
-    // Safety (`add`): offsets inside u's rows
-    let tails: Vec<Tail> = live.iter().zip(&bts).zip(&offs).map(|((p, bt), &o)| Tail { u: SendPtr(unsafe { up.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(bt.as_ptr() as *mut f32), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out }).collect();
-    let tu = TailU { at: SendPtr(at.as_ptr() as *mut f32), r: rs, u: up };
-    // Safety: u [m, rs], Aᵀ [k, rs], Bᵀ [r, n_out] are the buffers above; columns checked in `check`.
-    unsafe { matmul_swiglu_bf16_tails(x, w, m, k, inter, act, true, &tails, Some(&tu)) }
+    // Safety: the tails' buffers (`with_forward_tails`); columns checked in `check`.
+    with_forward_tails(&live, m, k, |tails, tu| unsafe { matmul_swiglu_bf16_tails(x, w, m, k, inter, act, true, tails, Some(tu)) })
 }
 
 /// `dx = dy W` on the bf16 `w` (`dy [m, n]`), then `lora_bwd` of each pair in order with dx
