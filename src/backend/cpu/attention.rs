@@ -469,8 +469,11 @@ impl<T: KvElem> KvPages<T> {
         let n_pages = visible.div_ceil(ps);
         // Each block (a page's keys or values of this head, 8 KiB for 64 × 64 bf16) is a short
         // stream elsewhere in memory: fetched on demand, row after row, its loads wait on memory
-        // one after the other. So the next block is asked into L2 as a whole while this one is
-        // used (decode loop, cold cache: 0.79 → 0.74 s of attention per 127 steps, one run each).
+        // one after the other. So the next block is asked into L2 while this one is used
+        // (decode loop, cold cache: 0.79 → 0.74 s of attention per 127 steps, one run each):
+        // a row of it per row of this one inside the kernels (`Scores::next`, `values_page`).
+        // Asked as a whole, 128 prefetches at once waited on the line fill buffers: those loops
+        // were 8 % of a decode step's samples.
         let block_len = hd * ps;
         let next = |pi: usize| -> Option<*const T> {
             match pi {
@@ -485,10 +488,7 @@ impl<T: KvElem> KvPages<T> {
         for (pi, &p) in pages[..n_pages].iter().enumerate() {
             let t0 = pi * ps;
             let nt = ps.min(visible - t0);
-            if let Some(np) = next(pi + 1) {
-                prefetch_l2(np, block_len);
-            }
-            let sc = Scores { q, group, hd, scale, out: &mut scores, visible, t0 };
+            let sc = Scores { q, group, hd, scale, out: &mut scores, visible, t0, next: next(pi + 1).map_or(std::ptr::null(), |p| p as *const u8) };
             scores_page(sc, &self.page(p)[kb..kb + hd * ps], ps, nt);
         }
         for h in 0..group {
@@ -498,10 +498,8 @@ impl<T: KvElem> KvPages<T> {
         for (pi, &p) in pages[..n_pages].iter().enumerate() {
             let t0 = pi * ps;
             let nt = ps.min(visible - t0);
-            if let Some(np) = next(n_pages + pi + 1) {
-                prefetch_l2(np, ps.min(visible.saturating_sub((pi + 1) * ps)) * hd);
-            }
-            values_page(&scores[t0..], visible, &self.page(p)[vb..vb + nt * hd], group, hd, out);
+            let np = next(n_pages + pi + 1).map_or(std::ptr::null(), |p| p as *const u8);
+            values_page(&scores[t0..], visible, &self.page(p)[vb..vb + nt * hd], group, hd, out, np);
         }
     }
 }
@@ -516,6 +514,9 @@ struct Scores<'a> {
     out: &'a mut [f32],
     visible: usize,
     t0: usize,
+    /// The next block to stream (K or V, same shape), asked into L2 one row per row of this
+    /// page's keys as the vector kernels go (`prefetch_row`), or null.
+    next: *const u8,
 }
 
 /// The scores of the first `nt` keys of one page, from its `Kᵀ` block (`kt[d·ps + j]`). Every
@@ -552,18 +553,19 @@ fn scores_keys<T: KvElem>(sc: Scores, kt: &[T], ps: usize, j0: usize, nt: usize)
 
 /// `out_h += Σ_j p[h·visible + j] · value_j` over one page's `nt = vals.len() / hd` values, for
 /// every head `h < group`: per element, one fused multiply-add per key in key order, on every path.
-fn values_page<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, out: &mut [f32]) {
+fn values_page<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, out: &mut [f32], next: *const u8) {
     #[cfg(target_arch = "x86_64")]
     {
         if super::simd::has_avx512f() {
             // Safety: AVX-512F is present; p rows hold nt values, out group rows of hd.
-            return unsafe { x512::values(p, visible, vals, group, hd, out) };
+            return unsafe { x512::values(p, visible, vals, group, hd, out, next) };
         }
         if super::simd::has_avx2_fma() {
             // Safety: AVX2 and FMA are present; as above.
-            return unsafe { x256::values(p, visible, vals, group, hd, out) };
+            return unsafe { x256::values(p, visible, vals, group, hd, out, next) };
         }
     }
+    let _ = next;
     values_cols(p, visible, vals, group, hd, 0, out)
 }
 
@@ -589,7 +591,7 @@ fn values_cols<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, h
 macro_rules! decode_kernels {
     ($m:ident, $feat:literal, $v:ty, $lanes:literal, $nb_max:literal, $zero:ident, $set1:ident, $fma:ident, $load:ident, $store:ident, $wide:path, $bf16_load:ty, $bf16_loadu:ident) => {
         mod $m {
-            use super::{scores_keys, values_cols, KvElem, Scores};
+            use super::{prefetch_row, scores_keys, values_cols, KvElem, Scores};
             use std::arch::x86_64::*;
             const L: usize = $lanes;
 
@@ -636,8 +638,11 @@ macro_rules! decode_kernels {
                 let hd = sc.hd;
                 debug_assert!(j0 + NB * L <= ps && kt.len() >= hd * ps && NB <= $nb_max);
                 let (q, k) = (sc.q.as_ptr().add(h0 * hd), kt.as_ptr().add(j0));
+                let sz = std::mem::size_of::<T>();
+                let pf = if h0 == 0 { sc.next } else { std::ptr::null() };
                 let mut acc = [[$zero(); NB]; H];
                 for d in 0..hd {
+                    prefetch_row(pf, (d * ps + j0) * sz, NB * L * sz);
                     let row = k.add(d * ps);
                     let mut kv = [$zero(); NB];
                     for (b, x) in kv.iter_mut().enumerate() {
@@ -666,18 +671,20 @@ macro_rules! decode_kernels {
             /// # Safety
             /// The CPU has the features; `p` rows hold `vals.len() / hd` values, `out` `group` rows of `hd`.
             #[target_feature(enable = $feat)]
-            pub unsafe fn values<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, out: &mut [f32]) {
+            pub unsafe fn values<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, out: &mut [f32], next: *const u8) {
                 let nt = vals.len() / hd;
                 let mut c0 = 0;
                 while c0 + L <= hd {
                     let nb = ((hd - c0) / L).min($nb_max);
                     let mut h = 0;
                     while h < group {
+                        // the next block's rows: with the first heads' columns only
+                        let pf = if h == 0 { next } else { std::ptr::null() };
                         let hc = (group - h).min(3);
                         match (hc, nb) {
-                            (1, 1) => cols::<T, 1, 1>(p, visible, vals, nt, hd, h, c0, out), (1, 2) => cols::<T, 1, 2>(p, visible, vals, nt, hd, h, c0, out), (1, 3) => cols::<T, 1, 3>(p, visible, vals, nt, hd, h, c0, out), (1, 4) => cols::<T, 1, 4>(p, visible, vals, nt, hd, h, c0, out),
-                            (2, 1) => cols::<T, 2, 1>(p, visible, vals, nt, hd, h, c0, out), (2, 2) => cols::<T, 2, 2>(p, visible, vals, nt, hd, h, c0, out), (2, 3) => cols::<T, 2, 3>(p, visible, vals, nt, hd, h, c0, out), (2, 4) => cols::<T, 2, 4>(p, visible, vals, nt, hd, h, c0, out),
-                            (3, 1) => cols::<T, 3, 1>(p, visible, vals, nt, hd, h, c0, out), (3, 2) => cols::<T, 3, 2>(p, visible, vals, nt, hd, h, c0, out), (3, 3) => cols::<T, 3, 3>(p, visible, vals, nt, hd, h, c0, out), (3, 4) => cols::<T, 3, 4>(p, visible, vals, nt, hd, h, c0, out),
+                            (1, 1) => cols::<T, 1, 1>(p, visible, vals, nt, hd, h, c0, out, pf), (1, 2) => cols::<T, 1, 2>(p, visible, vals, nt, hd, h, c0, out, pf), (1, 3) => cols::<T, 1, 3>(p, visible, vals, nt, hd, h, c0, out, pf), (1, 4) => cols::<T, 1, 4>(p, visible, vals, nt, hd, h, c0, out, pf),
+                            (2, 1) => cols::<T, 2, 1>(p, visible, vals, nt, hd, h, c0, out, pf), (2, 2) => cols::<T, 2, 2>(p, visible, vals, nt, hd, h, c0, out, pf), (2, 3) => cols::<T, 2, 3>(p, visible, vals, nt, hd, h, c0, out, pf), (2, 4) => cols::<T, 2, 4>(p, visible, vals, nt, hd, h, c0, out, pf),
+                            (3, 1) => cols::<T, 3, 1>(p, visible, vals, nt, hd, h, c0, out, pf), (3, 2) => cols::<T, 3, 2>(p, visible, vals, nt, hd, h, c0, out, pf), (3, 3) => cols::<T, 3, 3>(p, visible, vals, nt, hd, h, c0, out, pf), (3, 4) => cols::<T, 3, 4>(p, visible, vals, nt, hd, h, c0, out, pf),
                             _ => unreachable!(),
                         }
                         h += hc;
@@ -691,7 +698,7 @@ macro_rules! decode_kernels {
             #[target_feature(enable = $feat)]
             #[inline]
             #[allow(clippy::too_many_arguments)]
-            unsafe fn cols<T: KvElem, const H: usize, const NB: usize>(p: &[f32], visible: usize, vals: &[T], nt: usize, hd: usize, h0: usize, c0: usize, out: &mut [f32]) {
+            unsafe fn cols<T: KvElem, const H: usize, const NB: usize>(p: &[f32], visible: usize, vals: &[T], nt: usize, hd: usize, h0: usize, c0: usize, out: &mut [f32], pf: *const u8) {
                 debug_assert!(c0 + NB * L <= hd && vals.len() >= nt * hd && NB <= $nb_max);
                 let o = out.as_mut_ptr().add(h0 * hd + c0);
                 let mut acc = [[$zero(); NB]; H];
@@ -701,7 +708,9 @@ macro_rules! decode_kernels {
                     }
                 }
                 let (pp, v) = (p.as_ptr().add(h0 * visible), vals.as_ptr().add(c0));
+                let sz = std::mem::size_of::<T>();
                 for t in 0..nt {
+                    prefetch_row(pf, (t * hd + c0) * sz, NB * L * sz);
                     let row = v.add(t * hd);
                     let mut vv = [$zero(); NB];
                     for (b, x) in vv.iter_mut().enumerate() {
@@ -744,6 +753,15 @@ unsafe fn widen256(x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256 {
 decode_kernels!(x512, "avx512f,avx512bw,avx2,fma", __m512, 16, 4, _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_storeu_ps, super::widen512, __m256i, _mm256_loadu_si256);
 #[cfg(target_arch = "x86_64")]
 decode_kernels!(x256, "avx2,fma", __m256, 8, 3, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_storeu_ps, super::widen256, __m128i, _mm_loadu_si128);
+
+/// Ask L2 for bytes `off..off + len` of the block at `next` (nothing if null): the lines a
+/// decode kernel's row of the next block covers.
+#[inline(always)]
+fn prefetch_row(next: *const u8, off: usize, len: usize) {
+    if !next.is_null() {
+        prefetch_l2(next.wrapping_add(off), len);
+    }
+}
 
 /// Ask L2 for the `n` elements at `p` (one prefetch per 64-byte line; a no-op elsewhere).
 #[inline(always)]
@@ -949,7 +967,7 @@ mod tests {
             let p: Vec<f32> = (0..group * visible).map(|_| rnd().abs()).collect();
             let run_scores = |path: usize| {
                 let mut out = vec![f32::NAN; group * visible];
-                let sc = Scores { q: &q, group, hd, scale: 0.125, out: &mut out, visible, t0: 3 };
+                let sc = Scores { q: &q, group, hd, scale: 0.125, out: &mut out, visible, t0: 3, next: std::ptr::null() };
                 match path {
                     // Safety: the features are checked before these paths run.
                     0 => unsafe { x512::scores(sc, &kt, ps, nt) },
@@ -962,8 +980,8 @@ mod tests {
                 let mut out: Vec<f32> = (0..group * hd).map(|i| i as f32 * 0.01).collect();
                 match path {
                     // Safety: as above.
-                    0 => unsafe { x512::values(&p[2..], visible, &vals, group, hd, &mut out) },
-                    1 => unsafe { x256::values(&p[2..], visible, &vals, group, hd, &mut out) },
+                    0 => unsafe { x512::values(&p[2..], visible, &vals, group, hd, &mut out, std::ptr::null()) },
+                    1 => unsafe { x256::values(&p[2..], visible, &vals, group, hd, &mut out, std::ptr::null()) },
                     _ => values_cols(&p[2..], visible, &vals, group, hd, 0, &mut out),
                 }
                 out
