@@ -981,8 +981,9 @@ impl<'a> Job<'a> {
 
     /// Fused SwiGLU (`matmul_swiglu_bf16_tails`): gate panels `p0..p1` (each with its up panel
     /// `h` panels on) × rows `r0..r1`, every k block per strip and panel pair. Per 32 × 32 block:
-    /// the first k block's sums, then each later block's added, then the bias and the tails —
-    /// `block_amx`'s arithmetic on C — then `silu_mul` of the gate and up blocks into `act`.
+    /// the first k block's sums, then each later block's added, then the tails — `block_amx`'s
+    /// arithmetic on C (the gate/up product has no bias) — then `silu_mul` of the gate and up
+    /// blocks into `act`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn task_glu(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
         let (w, h) = (self.weight(), self.panels / 2);
@@ -1010,10 +1011,6 @@ impl<'a> Job<'a> {
                         if b > 0 {
                             s.0[..rows * NR].iter_mut().zip(&acc.0[..rows * NR]).for_each(|(c, &x)| *c += x);
                         }
-                    }
-                    if !self.bias.get().is_null() {
-                        let bs = std::slice::from_raw_parts(self.bias.get().add(pp * NR), NR);
-                        s.0[..rows * NR].chunks_exact_mut(NR).for_each(|row| row.iter_mut().zip(bs).for_each(|(c, &b)| *c += b));
                     }
                     self.tails_into(i, rows, pp * NR, pp * NR + NR, s.0.as_mut_ptr(), NR);
                 }
