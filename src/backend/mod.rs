@@ -176,6 +176,14 @@ pub struct LoraSlice<'a, Buf> {
     pub n_out: usize,
 }
 
+/// `Backend::matmul_lora_swiglu` as the separate ops: `matmul_lora` into `gate_up`, then
+/// `swiglu` (the trait's default, and the CPU backend's path where it does not fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_lora_swiglu_separate<B: Backend + ?Sized>(be: &B, x: &B::Buf, w: &B::Buf, m: usize, k: usize, i: usize, gate_up: &mut B::Buf, act: &mut B::Buf, pairs: &[LoraSlice<'_, B::Buf>]) -> Result<()> {
+    be.matmul_lora(x, w, None, m, k, 2 * i, gate_up, pairs)?;
+    be.swiglu(gate_up, m, i, act)
+}
+
 /// `Backend::matmul_lora` as the separate ops: `matmul`, then `lora` of each pair in order (the
 /// trait's default, and the CPU backend's path where it does not fuse).
 #[allow(clippy::too_many_arguments)]
@@ -313,8 +321,7 @@ pub trait Backend: Send + Sync {
     /// the forward without gradients: the training forward keeps `gate_up` for the backward.
     #[allow(clippy::too_many_arguments)]
     fn matmul_lora_swiglu(&self, x: &Self::Buf, w: &Self::Buf, m: usize, k: usize, i: usize, gate_up: &mut Self::Buf, act: &mut Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>]) -> Result<()> {
-        self.matmul_lora(x, w, None, m, k, 2 * i, gate_up, pairs)?;
-        self.swiglu(gate_up, m, i, act)
+        matmul_lora_swiglu_separate(self, x, w, m, k, i, gate_up, act, pairs)
     }
     /// Log-probability of `targets[row]` under `softmax(h[row] · headᵀ)`, `h [rows, d]`, without
     /// materializing `[rows, vocab]` logits (vocab tiles, online log-sum-exp).

@@ -263,7 +263,7 @@ pub fn matmul_lora_swiglu(x: &[f32], w: &PackedBf16, m: usize, k: usize, inter: 
     let n = 2 * inter;
     pairs.iter().for_each(|p| p.check(k, n));
     let live: Vec<&Pair> = pairs.iter().filter(|p| p.r > 0 && p.n_out > 0).collect();
-    if !swiglu_fusable(w, inter) || w.k() != k || (m <= FEW_ROWS && !live.is_empty()) {
+    if !swiglu_fusable(w, inter) || (m <= FEW_ROWS && !live.is_empty()) {
         matmul_lora(x, w, None, m, k, n, gate_up, pairs);
         return super::swiglu::swiglu(gate_up, m, inter, act);
     }

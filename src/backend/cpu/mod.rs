@@ -226,8 +226,7 @@ impl Backend for CpuBackend {
     fn matmul_lora_swiglu(&self, x: &CpuBuf, w: &CpuBuf, m: usize, k: usize, i: usize, gate_up: &mut CpuBuf, act: &mut CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>]) -> Result<()> {
         // fused on a one-tile bf16 weight (lora::matmul_lora_swiglu); else the separate ops
         let Some(pw) = w.bf16().and_then(|p| p.single()) else {
-            self.matmul_lora(x, w, None, m, k, 2 * i, gate_up, pairs)?;
-            return self.swiglu(gate_up, m, i, act);
+            return super::matmul_lora_swiglu_separate(self, x, w, m, k, i, gate_up, act, pairs);
         };
         ensure!(pw.n() == 2 * i && pw.k() == k, "matmul_lora_swiglu: bf16 weight [{}, {}] for a [{}, {k}] gate/up product", pw.n(), pw.k(), 2 * i);
         ensure!(x.len() >= m * k && gate_up.len() >= m * 2 * i && act.len() >= m * i, "matmul_lora_swiglu: buffers too small");
