@@ -293,13 +293,20 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     let scale = 1.0 / (hd as f32).sqrt();
     let outp = SendPtr(out.as_mut_ptr());
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
-    tasks.par_iter().for_each(|&(si, kvh)| {
+    // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct, whatever
+    // their number (a row's bits must not depend on how a prompt was chunked); otherwise both
+    // kernels give the same bits and the row count chooses
+    let bf16_rows = T::BF16 && bf16_attn::usable(hd);
+    let direct = |s: &AttnSeq| (bf16_rows && s.sampled) || (!bf16_rows && s.n_q <= DIRECT_MAX_Q);
+    tasks.par_iter().enumerate().for_each(|(ti, &(si, kvh))| {
         let s = &seqs[si];
-        // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct,
-        // whatever their number (a row's bits must not depend on how a prompt was chunked);
-        // otherwise both kernels give the same bits and the row count chooses
-        let bf16_rows = T::BF16 && bf16_attn::usable(hd);
-        if (bf16_rows && s.sampled) || (!bf16_rows && s.n_q <= DIRECT_MAX_Q) {
+        if direct(s) {
+            // the next task's first key block, asked for during this one's last values (a thread
+            // mostly takes the tasks after its own: rayon splits the range in halves)
+            let after = match tasks.get(ti + 1) {
+                Some(&(sn, hn)) if direct(&seqs[sn]) && !seqs[sn].pages.is_empty() => kv.page(seqs[sn].pages[0])[block(&g, layer, 0, hn)..].as_ptr(),
+                _ => std::ptr::null(),
+            };
             // decode rows: read keys/values straight from the pages (no gather copy), once for
             // all query heads of the group
             for r in 0..s.n_q {
@@ -307,7 +314,7 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
                 let row = s.q_row + r;
                 let q = &qkv[row * width + kvh * group * hd..][..group * hd];
                 let o = unsafe { std::slice::from_raw_parts_mut(outp.get().add(row * q_dim + kvh * group * hd), group * hd) };
-                kv.attend_direct(layer, kvh, s.pages, visible, q, group, scale, o);
+                kv.attend_direct(layer, kvh, s.pages, visible, q, group, scale, o, if r + 1 == s.n_q { after } else { std::ptr::null() });
             }
             return;
         }
@@ -463,7 +470,9 @@ impl<T: KvElem> KvPages<T> {
     /// One query row of the `group` query heads sharing kv head `kvh`, over `visible` cached
     /// positions: K is read once (scores of all heads), then V once (weighted sums), page by page.
     #[allow(clippy::too_many_arguments)]
-    fn attend_direct(&self, layer: usize, kvh: usize, pages: &[u32], visible: usize, q: &[f32], group: usize, scale: f32, out: &mut [f32]) {
+    /// `after`: the block read next after this row (null: unknown), asked into L2 during the
+    /// last values.
+    fn attend_direct(&self, layer: usize, kvh: usize, pages: &[u32], visible: usize, q: &[f32], group: usize, scale: f32, out: &mut [f32], after: *const T) {
         let (ps, hd) = (self.geom.page_size, self.geom.head_dim);
         let (kb, vb) = (block(&self.geom, layer, 0, kvh), block(&self.geom, layer, 1, kvh));
         let n_pages = visible.div_ceil(ps);
@@ -479,6 +488,7 @@ impl<T: KvElem> KvPages<T> {
             match pi {
                 _ if pi < n_pages => Some(self.page(pages[pi])[kb..].as_ptr()),
                 _ if pi < 2 * n_pages => Some(self.page(pages[pi - n_pages])[vb..].as_ptr()),
+                _ if pi == 2 * n_pages && !after.is_null() => Some(after),
                 _ => None,
             }
         };

@@ -531,6 +531,35 @@ pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&
     job.run(parallel);
 }
 
+/// `out[r·ldo + j] = (x[m, k] · Wᵀ)[r, j] (+ bias[j])` for `j < w.n`: the product written into a
+/// column slice of a wider `[m, ldo]` output (a vocabulary tile of the LM head, `buf.rs`), the
+/// same bits as `matmul_bf16_with`.
+///
+/// # Safety
+/// `out` must point at `m` rows of `ldo ≥ w.n` f32 (the last row `w.n` long), which no one else
+/// accesses meanwhile.
+pub(crate) unsafe fn matmul_bf16_strided(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, out: *mut f32, ldo: usize, parallel: bool) {
+    assert!(ldo >= w.n && x.len() >= m * w.k, "matmul_bf16_strided: a row stride below the weight's {} rows, or x too small", w.n);
+    assert!(bias.is_none_or(|b| b.len() >= w.n), "matmul_bf16_strided: bias shorter than {}", w.n);
+    if m == 0 || w.n == 0 {
+        return;
+    }
+    if w.k == 0 {
+        for r in 0..m {
+            let row = std::slice::from_raw_parts_mut(out.add(r * ldo), w.n);
+            row.copy_from_slice(bias.map_or(&vec![0.0; w.n][..], |b| &b[..w.n]));
+        }
+        return;
+    }
+    let job = Job {
+        c: SendPtr(out),
+        ldc: ldo,
+        bias: bias.map_or(SendPtr(std::ptr::null_mut()), |b| SendPtr(b.as_ptr() as *mut f32)),
+        ..Job::forward(x, w, m, &[], None)
+    };
+    job.run(parallel);
+}
+
 /// Whether `matmul_swiglu_bf16_tails` runs fused for the gate/up weight `w` (`[2·inter, k]`) on
 /// this machine: on AMX tiles (the kernel whose blocks land in scratch tiles anyway), with the
 /// gate and up halves in whole panels.
@@ -602,6 +631,7 @@ pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, 
         cols: k,
         panels: k.div_ceil(NR),
         c: SendPtr(dx.as_mut_ptr()),
+        ldc: k,
         bias: SendPtr(std::ptr::null_mut()),
         accumulate,
         src: Source::Transposed(w),
@@ -657,8 +687,9 @@ struct Job<'a> {
     m: usize,
     cols: usize,
     panels: usize,
-    /// `[m, cols]` row-major
+    /// `[m, cols]`, rows `ldc` apart
     c: SendPtr<f32>,
+    ldc: usize,
     /// `[cols]` or null
     bias: SendPtr<f32>,
     accumulate: bool,
@@ -696,6 +727,7 @@ impl<'a> Job<'a> {
             cols: w.n,
             panels: w.panels,
             c: SendPtr(std::ptr::null_mut()),
+            ldc: w.n,
             bias: SendPtr(std::ptr::null_mut()),
             accumulate: false,
             src: Source::Forward(w),
@@ -864,7 +896,13 @@ impl<'a> Job<'a> {
             };
             #[cfg(target_arch = "x86_64")]
             if self.micro == Micro::Amx {
-                self.block_amx(b, blocks, q0, kb, panels, p0, p1, r0, r1, a);
+                // where this task reads after block b: the next block's first panel (a repacked
+                // one is not there yet)
+                let next = match self.src {
+                    Source::Forward(w) if b + 1 < blocks => w.words().add(w.block_off(b + 1) + p0 * self.kc.min(self.pairs - q0 - kb) * NR),
+                    _ => std::ptr::null(),
+                };
+                self.block_amx(b, blocks, q0, kb, panels, next, p0, p1, r0, r1, a);
                 continue;
             }
             let (lda, wide) = (self.lda(), self.wide());
@@ -884,8 +922,8 @@ impl<'a> Job<'a> {
                         b: panels.add((pn - p0) * kb * NR),
                         pstride: kb * NR,
                         kb,
-                        c: self.c.get().add(i * self.cols + j0),
-                        ldc: self.cols,
+                        c: self.c.get().add(i * self.ldc + j0),
+                        ldc: self.ldc,
                         cols: self.cols - j0,
                         overwrite: b == 0 && !self.accumulate,
                         bias: if b + 1 == blocks && !self.bias.get().is_null() { self.bias.get().add(j0) } else { std::ptr::null() },
@@ -912,10 +950,11 @@ impl<'a> Job<'a> {
     /// 32 rows (A is padded to whole strips) × one panel; each strip-panel's 32 × 32 block sums
     /// go into C with the other kernels' store (`Tile::store`: the first block stores, later ones
     /// add, the bias after the last) — a whole block that only stores goes straight from the tile
-    /// registers into C, the others through a scratch tile.
+    /// registers into C, the others through a scratch tile. `next`: the panel the task reads
+    /// after this block's last one (null: none), for `block16`'s prefetch.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn block_amx(&self, b: usize, blocks: usize, q0: usize, kb: usize, panels: *const u32, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
+    unsafe fn block_amx(&self, b: usize, blocks: usize, q0: usize, kb: usize, panels: *const u32, next: *const u32, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32) {
         let mut acc = amx::Sums([0f32; AMX_MR * NR]);
         let overwrite = b == 0 && !self.accumulate;
         let bias = if b + 1 == blocks { self.bias.get() as *const f32 } else { std::ptr::null() };
@@ -931,15 +970,15 @@ impl<'a> Job<'a> {
                 // same bits as through `acc`, without the copy)
                 let direct = overwrite && rows == AMX_MR && cols == NR;
                 if direct {
-                    amx::block_to(ai, 16, TILE_STEP, bp, kb, self.c.get().add(i * self.cols + j0), self.cols);
+                    amx::block_to(ai, 16, TILE_STEP, bp, kb, self.c.get().add(i * self.ldc + j0), self.ldc);
                 } else if rows <= 16 {
                     // decode: one A tile; the same tdpbf16ps sequence per element (same bits)
-                    amx::block16(ai, 16, TILE_STEP, bp, kb, &mut acc);
+                    amx::block16(ai, 16, TILE_STEP, bp, kb, if pn + 1 < p1 { bp.add(kb * NR) } else { next }, &mut acc);
                 } else {
                     amx::block(ai, 16, TILE_STEP, bp, kb, &mut acc);
                 }
                 for r in 0..rows {
-                    let c = std::slice::from_raw_parts_mut(self.c.get().add((i + r) * self.cols + j0), cols);
+                    let c = std::slice::from_raw_parts_mut(self.c.get().add((i + r) * self.ldc + j0), cols);
                     let s = &acc.0[r * NR..r * NR + cols];
                     if !overwrite {
                         c.iter_mut().zip(s).for_each(|(c, &s)| *c += s); // C + sums: IEEE addition commutes (Tile::store)
@@ -965,7 +1004,7 @@ impl<'a> Job<'a> {
     /// The rows are this task's; the tails' extents as the entry points require.
     unsafe fn tails_at(&self, i: usize, rows: usize, p0: usize, p1: usize) {
         let (lo, hi) = (p0 * NR, (p1 * NR).min(self.cols));
-        self.tails_into(i, rows, lo, hi, self.c.get().add(i * self.cols + lo), self.cols);
+        self.tails_into(i, rows, lo, hi, self.c.get().add(i * self.ldc + lo), self.ldc);
     }
 
     /// The tails on rows `i..i+rows` × columns `lo..hi`, into `c` (column `lo` of row `i`, row
@@ -1004,7 +1043,17 @@ impl<'a> Job<'a> {
                         let (ai, bp) = (a.add((i - r0) * self.pairs + q0 / 16 * TILE_STEP), w.words().add(w.block_off(b) + pp * kb * NR));
                         let dst = if b == 0 { &mut *s } else { &mut acc };
                         if rows <= 16 {
-                            amx::block16(ai, 16, TILE_STEP, bp, kb, dst);
+                            // read next: this panel's next block, else the up panel, else the next gate panel
+                            let next = if b + 1 < blocks {
+                                w.words().add(w.block_off(b + 1) + pp * self.kc.min(self.pairs - q0 - kb) * NR)
+                            } else if half == 0 {
+                                w.words().add(w.block_off(0) + (pn + h) * self.kc.min(self.pairs) * NR)
+                            } else if pn + 1 < p1 {
+                                w.words().add(w.block_off(0) + (pn + 1) * self.kc.min(self.pairs) * NR)
+                            } else {
+                                std::ptr::null()
+                            };
+                            amx::block16(ai, 16, TILE_STEP, bp, kb, next, dst);
                         } else {
                             amx::block(ai, 16, TILE_STEP, bp, kb, dst);
                         }
@@ -1417,15 +1466,40 @@ pub(crate) mod amx {
         );
     }
 
+    /// Pair rows `r..r+16` of the panel at `b` (`kb` pair rows), or past its end those of `next`
+    /// (the panel the caller reads after this one; null: none), asked into L2.
+    #[inline(always)]
+    unsafe fn prefetch_rows(b: *const u32, kb: usize, next: *const u32, r: usize) {
+        let p = if r < kb {
+            b.wrapping_add(r * NR)
+        } else if !next.is_null() {
+            next.wrapping_add((r - kb) * NR)
+        } else {
+            return;
+        } as *const u8;
+        // 16 pair rows of NR words: 32 lines (a prefetch is only a hint: never faults)
+        for l in 0..32 {
+            asm!("prefetcht1 [{p}]", p = in(reg) p.wrapping_add(64 * l), options(nostack, readonly, preserves_flags));
+        }
+    }
+
     /// `block` for strips of at most 16 rows (decode): the first 16 rows of `sums` only. One A
     /// tile and the panel's two B tiles per step, alternating between two register sets so the
     /// next step's tile loads (from memory: the weights stream) overlap this step's products.
     /// Each accumulator sees the same `tdpbf16ps` sequence as in `block`, so the bits are equal.
-    pub unsafe fn block16(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, sums: &mut Sums) {
+    ///
+    /// The tile loads alone keep too few lines in flight (the tile registers are reused only
+    /// after the products that read them): each step also asks L2 for the rows `PF_AHEAD` pairs
+    /// on, continuing into `next` (the panel read after this one, or null) past this one's end.
+    pub unsafe fn block16(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, next: *const u32, sums: &mut Sums) {
+        /// 8 KiB of the stream ahead (measured 4–32 KiB: 4 and 16 KiB ahead gained less)
+        const PF_AHEAD: usize = 64;
         debug_assert!(kb % 16 == 0);
         asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
         let mut s = 0;
         while s + 32 <= kb {
+            prefetch_rows(b, kb, next, s + PF_AHEAD);
+            prefetch_rows(b, kb, next, s + PF_AHEAD + 16);
             asm!(
                 "tileloadd tmm2, [{a0} + {sa}*1]",
                 "tileloadd tmm4, [{b0} + {sb}*1]",
@@ -1450,6 +1524,7 @@ pub(crate) mod amx {
             s += 32;
         }
         if s < kb {
+            prefetch_rows(b, kb, next, s + PF_AHEAD);
             asm!(
                 "tileloadd tmm2, [{a0} + {sa}*1]",
                 "tileloadd tmm4, [{b0} + {sb}*1]",
