@@ -896,10 +896,13 @@ impl<'a> Job<'a> {
             };
             #[cfg(target_arch = "x86_64")]
             if self.micro == Micro::Amx {
-                // where this task reads after block b: the next block's first panel (a repacked
-                // one is not there yet)
+                // where this task reads after block b: the next block's first panel; after the
+                // last block, the panel after its run, the next task's first (the one a thread
+                // mostly takes next: rayon splits the range in halves). A repacked panel is not
+                // there yet.
                 let next = match self.src {
                     Source::Forward(w) if b + 1 < blocks => w.words().add(w.block_off(b + 1) + p0 * self.kc.min(self.pairs - q0 - kb) * NR),
+                    Source::Forward(w) if p1 < self.panels => w.words().add(w.block_off(b) + p1 * kb * NR),
                     _ => std::ptr::null(),
                 };
                 self.block_amx(b, blocks, q0, kb, panels, next, p0, p1, r0, r1, a);
@@ -1043,12 +1046,13 @@ impl<'a> Job<'a> {
                         let (ai, bp) = (a.add((i - r0) * self.pairs + q0 / 16 * TILE_STEP), w.words().add(w.block_off(b) + pp * kb * NR));
                         let dst = if b == 0 { &mut *s } else { &mut acc };
                         if rows <= 16 {
-                            // read next: this panel's next block, else the up panel, else the next gate panel
+                            // read next: this panel's next block, else the up panel, else the next gate
+                            // panel (past the task's run: the next task's first)
                             let next = if b + 1 < blocks {
                                 w.words().add(w.block_off(b + 1) + pp * self.kc.min(self.pairs - q0 - kb) * NR)
                             } else if half == 0 {
                                 w.words().add(w.block_off(0) + (pn + h) * self.kc.min(self.pairs) * NR)
-                            } else if pn + 1 < p1 {
+                            } else if pn + 1 < h {
                                 w.words().add(w.block_off(0) + (pn + 1) * self.kc.min(self.pairs) * NR)
                             } else {
                                 std::ptr::null()
