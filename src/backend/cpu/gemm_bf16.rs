@@ -71,9 +71,13 @@
 //! writing C (f32, 4 KiB per 32 × 32 block, write-allocate) is most of what is left. Strips of ≤ 16 valid rows
 //! (decode) take `block16`: one A tile and two alternating sets of B tiles, so the next step's
 //! loads overlap this step's products (the same `tdpbf16ps` sequence per element: same bits).
-//! Decode then streams 14–23 GiB/s of bf16 weights at 1 row (12–20 with the 32-row strip;
+//! Decode then streamed 14–23 GiB/s of bf16 weights at 1 row (12–20 with the 32-row strip;
 //! vdpbf16ps 17–29; read bandwidth 23): still faster than f32 per product (half the bytes), but
-//! below `vdpbf16ps` — software prefetch did not help; this is where the AMX path has room left.
+//! below `vdpbf16ps`. A tile register is loaded again only after the products reading it, so the
+//! tile loads alone keep few lines in flight: `block16` also asks L2 for the weight rows 8 KiB
+//! ahead, on into the panel its caller reads next (the next k block's, the up half's, the next
+//! task's first). One core then streams ~11 GiB/s of the 14 a plain read gets; in a decode step
+//! the gate/up product went from ~175 to ~160 µs per layer (2026-12-05, docs/RESULTS.md).
 //! Without gradients the gate/up product can end in SwiGLU (`matmul_swiglu_bf16_tails`, AMX only:
 //! its sums land in scratch tiles anyway), so the gate/up matrix is never written.
 //!
