@@ -469,9 +469,9 @@ const DIRECT_MAX_Q: usize = 4;
 impl<T: KvElem> KvPages<T> {
     /// One query row of the `group` query heads sharing kv head `kvh`, over `visible` cached
     /// positions: K is read once (scores of all heads), then V once (weighted sums), page by page.
-    #[allow(clippy::too_many_arguments)]
     /// `after`: the block read next after this row (null: unknown), asked into L2 during the
     /// last values.
+    #[allow(clippy::too_many_arguments)]
     fn attend_direct(&self, layer: usize, kvh: usize, pages: &[u32], visible: usize, q: &[f32], group: usize, scale: f32, out: &mut [f32], after: *const T) {
         let (ps, hd) = (self.geom.page_size, self.geom.head_dim);
         let (kb, vb) = (block(&self.geom, layer, 0, kvh), block(&self.geom, layer, 1, kvh));
