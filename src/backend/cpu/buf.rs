@@ -83,7 +83,7 @@ impl PackedWeight {
             let b = bias.map(|b| &b[*r0..*r0 + t.n()]);
             // Safety: tile rows r0..r0 + t.n() are columns of `out` no other tile writes; out
             // holds m rows of n (checked above)
-            unsafe { gemm_bf16::matmul_bf16_strided(x, t, b, m, o.get().add(*r0), n, false) };
+            unsafe { gemm_bf16::matmul_bf16_strided(x, t, b, m, o.get().add(*r0), n, gemm_bf16::Kernel::Auto, false, &[], None) };
         });
     }
 

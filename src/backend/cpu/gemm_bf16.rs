@@ -441,6 +441,13 @@ impl PackedBf16 {
     fn words(&self) -> *const u32 {
         self.data.as_ptr() as *const u32
     }
+    /// Panel `pn` of k block `b` (`pn` up to `panels`: one past a block's last panel is where the
+    /// next block starts).
+    fn panel(&self, b: usize, pn: usize) -> *const u32 {
+        debug_assert!(b < self.blocks() && pn <= self.panels);
+        // Safety: inside the packed data, or one past its end
+        unsafe { self.words().add(self.block_off(b) + pn * self.block(b).1 * NR) }
+    }
     /// The word holding `W[j][2q]`, `W[j][2q+1]`.
     fn word(&self, j: usize, q: usize) -> u32 {
         let b = q / self.kc;
@@ -514,44 +521,34 @@ pub fn matmul_bf16_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usiz
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn matmul_bf16_tails(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k: usize, n: usize, out: &mut [f32], kernel: Kernel, parallel: bool, tails: &[Tail], tail_u: Option<&TailU>) {
     assert!(w.n == n && w.k == k, "matmul_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
+    assert!(out.len() >= m * n, "matmul_bf16: buffer too small");
+    matmul_bf16_strided(x, w, bias, m, out.as_mut_ptr(), n, kernel, parallel, tails, tail_u)
+}
+
+/// `matmul_bf16_tails` with the output's rows `ldo ≥ w.n` apart: `out[r·ldo + j]` for `j < w.n`,
+/// the product written into a column slice of a wider `[m, ldo]` output (a vocabulary tile of
+/// the LM head, `buf.rs`). The same bits.
+///
+/// # Safety
+/// As `matmul_bf16_tails` (`n` = `w.n`); `out` must point at `m` rows of `ldo` f32 (the last row
+/// `w.n` long), which no one else accesses meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_bf16_strided(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, out: *mut f32, ldo: usize, kernel: Kernel, parallel: bool, tails: &[Tail], tail_u: Option<&TailU>) {
+    let (n, k) = (w.n, w.k);
+    assert!(ldo >= n, "matmul_bf16: a row stride of {ldo} for {n} columns");
     assert!(tails.iter().all(|t| t.col0 + t.ncols <= n) && (tails.is_empty() || k > 0), "matmul_bf16: a tail outside the output, or a tail with k = 0");
-    assert!(x.len() >= m * k && out.len() >= m * n, "matmul_bf16: buffer too small");
+    assert!(x.len() >= m * k, "matmul_bf16: buffer too small");
     assert!(bias.is_none_or(|b| b.len() >= n), "matmul_bf16: bias shorter than {n}");
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        for row in out[..m * n].chunks_exact_mut(n) {
-            row.copy_from_slice(bias.map_or(&vec![0.0; n][..], |b| &b[..n]));
-        }
-        return;
-    }
-    let job = Job {
-        c: SendPtr(out.as_mut_ptr()),
-        bias: bias.map_or(SendPtr(std::ptr::null_mut()), |b| SendPtr(b.as_ptr() as *mut f32)),
-        micro: kernel.micro(w.pairs, w.kc),
-        ..Job::forward(x, w, m, tails, tail_u)
-    };
-    job.run(parallel);
-}
-
-/// `out[r·ldo + j] = (x[m, k] · Wᵀ)[r, j] (+ bias[j])` for `j < w.n`: the product written into a
-/// column slice of a wider `[m, ldo]` output (a vocabulary tile of the LM head, `buf.rs`), the
-/// same bits as `matmul_bf16_with`.
-///
-/// # Safety
-/// `out` must point at `m` rows of `ldo ≥ w.n` f32 (the last row `w.n` long), which no one else
-/// accesses meanwhile.
-pub(crate) unsafe fn matmul_bf16_strided(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, out: *mut f32, ldo: usize, parallel: bool) {
-    assert!(ldo >= w.n && x.len() >= m * w.k, "matmul_bf16_strided: a row stride below the weight's {} rows, or x too small", w.n);
-    assert!(bias.is_none_or(|b| b.len() >= w.n), "matmul_bf16_strided: bias shorter than {}", w.n);
-    if m == 0 || w.n == 0 {
-        return;
-    }
-    if w.k == 0 {
         for r in 0..m {
-            let row = std::slice::from_raw_parts_mut(out.add(r * ldo), w.n);
-            row.copy_from_slice(bias.map_or(&vec![0.0; w.n][..], |b| &b[..w.n]));
+            let row = std::slice::from_raw_parts_mut(out.add(r * ldo), n);
+            match bias {
+                Some(b) => row.copy_from_slice(&b[..n]),
+                None => row.fill(0.0),
+            }
         }
         return;
     }
@@ -559,7 +556,8 @@ pub(crate) unsafe fn matmul_bf16_strided(x: &[f32], w: &PackedBf16, bias: Option
         c: SendPtr(out),
         ldc: ldo,
         bias: bias.map_or(SendPtr(std::ptr::null_mut()), |b| SendPtr(b.as_ptr() as *mut f32)),
-        ..Job::forward(x, w, m, &[], None)
+        micro: kernel.micro(w.pairs, w.kc),
+        ..Job::forward(x, w, m, tails, tail_u)
     };
     job.run(parallel);
 }
@@ -891,7 +889,7 @@ impl<'a> Job<'a> {
             let q0 = b * self.kc;
             let kb = self.kc.min(self.pairs - q0);
             let panels: *const u32 = match self.src {
-                Source::Forward(w) => w.words().add(w.block_off(b) + p0 * kb * NR),
+                Source::Forward(w) => w.panel(b, p0),
                 Source::Transposed(w) => {
                     let d = repack.as_mut_ptr() as *mut u32;
                     repack_dx(w, p0, p1, q0, kb, d);
@@ -905,8 +903,8 @@ impl<'a> Job<'a> {
                 // mostly takes next: rayon splits the range in halves). A repacked panel is not
                 // there yet.
                 let next = match self.src {
-                    Source::Forward(w) if b + 1 < blocks => w.words().add(w.block_off(b + 1) + p0 * self.kc.min(self.pairs - q0 - kb) * NR),
-                    Source::Forward(w) if p1 < self.panels => w.words().add(w.block_off(b) + p1 * kb * NR),
+                    Source::Forward(w) if b + 1 < blocks => w.panel(b + 1, p0),
+                    Source::Forward(w) if p1 < self.panels => w.panel(b, p1),
                     _ => std::ptr::null(),
                 };
                 self.block_amx(b, blocks, q0, kb, panels, next, p0, p1, r0, r1, a);
@@ -1047,17 +1045,17 @@ impl<'a> Job<'a> {
                     for b in 0..blocks {
                         let q0 = b * self.kc;
                         let kb = self.kc.min(self.pairs - q0);
-                        let (ai, bp) = (a.add((i - r0) * self.pairs + q0 / 16 * TILE_STEP), w.words().add(w.block_off(b) + pp * kb * NR));
+                        let (ai, bp) = (a.add((i - r0) * self.pairs + q0 / 16 * TILE_STEP), w.panel(b, pp));
                         let dst = if b == 0 { &mut *s } else { &mut acc };
                         if rows <= 16 {
                             // read next: this panel's next block, else the up panel, else the next gate
                             // panel (past the task's run: the next task's first)
                             let next = if b + 1 < blocks {
-                                w.words().add(w.block_off(b + 1) + pp * self.kc.min(self.pairs - q0 - kb) * NR)
+                                w.panel(b + 1, pp)
                             } else if half == 0 {
-                                w.words().add(w.block_off(0) + (pn + h) * self.kc.min(self.pairs) * NR)
+                                w.panel(0, pn + h)
                             } else if pn + 1 < h {
-                                w.words().add(w.block_off(0) + (pn + 1) * self.kc.min(self.pairs) * NR)
+                                w.panel(0, pn + 1)
                             } else {
                                 std::ptr::null()
                             };
