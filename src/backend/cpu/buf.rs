@@ -10,6 +10,7 @@
 //! goes through `CpuBuf::weight` instead, and a packed buffer never reaches an op that would read
 //! it as plain f32 (the routing in `cpu/mod.rs` checks).
 use super::gemm_bf16::{self, PackedBf16};
+use super::lora::Shadow;
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 use std::ops::{Deref, DerefMut};
@@ -122,11 +123,14 @@ impl PackedWeight {
 pub struct CpuBuf {
     v: Vec<f32>,
     packed: Option<Box<PackedWeight>>,
+    /// A LoRA parameter's bf16 operands under `--dtype bf16` (`lora::Shadow`): made on first
+    /// use, dropped by any write (`deref_mut`).
+    shadow: Shadow,
 }
 
 impl CpuBuf {
     pub fn packed(w: PackedWeight) -> Self {
-        CpuBuf { v: Vec::new(), packed: Some(Box::new(w)) }
+        CpuBuf { v: Vec::new(), packed: Some(Box::new(w)), shadow: Shadow::default() }
     }
     /// The bf16 weight, when this buffer holds one.
     pub fn bf16(&self) -> Option<&PackedWeight> {
@@ -135,6 +139,10 @@ impl CpuBuf {
     /// Elements: the f32 length, or `n·k` of a packed weight.
     pub fn elems(&self) -> usize {
         self.packed.as_ref().map_or(self.v.len(), |w| w.n * w.k)
+    }
+    /// This buffer's bf16 copies as a LoRA operand (`lora::Pair::with_shadows`).
+    pub fn shadow(&self) -> &Shadow {
+        &self.shadow
     }
     pub fn into_vec(self) -> Vec<f32> {
         match self.packed {
@@ -146,7 +154,7 @@ impl CpuBuf {
 
 impl From<Vec<f32>> for CpuBuf {
     fn from(v: Vec<f32>) -> Self {
-        CpuBuf { v, packed: None }
+        CpuBuf { v, packed: None, shadow: Shadow::default() }
     }
 }
 
@@ -184,6 +192,8 @@ impl Deref for CpuBuf {
 
 impl DerefMut for CpuBuf {
     fn deref_mut(&mut self) -> &mut Vec<f32> {
+        // the values may change: the bf16 copies no longer hold
+        self.shadow = Shadow::default();
         &mut self.v
     }
 }

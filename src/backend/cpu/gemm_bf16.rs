@@ -117,6 +117,7 @@
 //! data, tiny data, random bit patterns), NaN payloads aside (which NaN propagates is not
 //! reproduced; where NaNs appear is). ~25× slower than `vdpbf16ps` (39 GFLOP/s on 2 threads; 31
 //! on the Zen 3): the reference the other kernels are tested against, and the rare tiny strip.
+use super::lora::{BfB, Out};
 use super::matmul::SendPtr;
 use half::bf16;
 use rayon::prelude::*;
@@ -647,26 +648,25 @@ pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, 
 
 /// A low-rank term added to a column slice of a product's output, strip by strip while the
 /// strip's rows are in cache (a LoRA pair fused into the GEMM; see `lora::matmul_lora`):
-/// `C[i, col0 + j] += alpha · Σ_l u[i, l] · b[l·ldb + j]` for `j < ncols`, one f32 FMA chain per
-/// element in l order (`lora::product`), after the element's GEMM sums and bias. Without the
-/// GEMM's rows in cache this read-modify-write of C was ~a quarter of the LoRA products' time.
+/// `C[i, col0 + j] += alpha · Σ_l bf(u[i, l]) · B[l, j]` for `j < ncols` (`lora::product_bf`,
+/// B `[r, ncols]` rounded once), after the element's GEMM sums and bias. Without the GEMM's rows
+/// in cache this read-modify-write of C was ~a quarter of the LoRA products' time.
 pub(crate) struct Tail {
     /// `m` rows of `ldu`, this tail's `r` columns first (the pairs of one product share one u)
     pub(crate) u: SendPtr<f32>,
     pub(crate) ldu: usize,
-    pub(crate) r: usize,
-    pub(crate) b: SendPtr<f32>,
-    pub(crate) ldb: usize,
+    pub(crate) b: SendPtr<BfB>,
     pub(crate) alpha: f32,
     pub(crate) col0: usize,
     pub(crate) ncols: usize,
 }
 
-/// The forward tails' `u = A_rows · at` (`at` `[red, r]`: the Aᵀ of every LoRA pair on the
-/// product, side by side; `u` `[m, r]`), computed per piece of rows as the GEMM converts them, so
-/// the f32 rows are read from memory once for the GEMM and all the pairs.
+/// The forward tails' `u = bf(A_rows) · Aᵀ` for every LoRA pair on the product (`at`: each
+/// pair's Aᵀ `[red, r]` in bf16 and its first column in u; `u` `[m, ldu]`), computed per piece
+/// of rows as the GEMM converts them, so the f32 rows are read from memory once for the GEMM and
+/// all the pairs.
 pub(crate) struct TailU {
-    pub(crate) at: SendPtr<f32>,
+    pub(crate) at: Vec<(SendPtr<BfB>, usize)>,
     pub(crate) r: usize,
     pub(crate) u: SendPtr<f32>,
 }
@@ -794,7 +794,8 @@ impl<'a> Job<'a> {
                     }
                     // the rows are in cache now; u covers [m, r] (the caller's contract)
                     if let Some(tu) = self.tail_u {
-                        super::lora::product(i1 - i0, tu.r, self.red, rows_f32, self.red, 1, tu.at.get(), tu.r, tu.u.get().add((rb + i0) * tu.r), tu.r, 1.0, false);
+                        let outs: Vec<Out> = tu.at.iter().map(|(b, o)| Out { b: &*b.0, j0: 0, j1: (*b.0).n(), c: tu.u.get().add((rb + i0) * tu.r + o), ldc: tu.r }).collect();
+                        super::lora::products_bf(i1 - i0, rows_f32, self.red, 1, &outs, 1.0, false, false);
                     }
                 }
             };
@@ -1018,7 +1019,8 @@ impl<'a> Job<'a> {
         for t in self.tails {
             let (j0, j1) = (lo.max(t.col0), hi.min(t.col0 + t.ncols));
             if j0 < j1 {
-                super::lora::product(rows, j1 - j0, t.r, t.u.get().add(i * t.ldu), t.ldu, 1, t.b.get().add(j0 - t.col0), t.ldb, c.add(j0 - lo), ldc, t.alpha, true);
+                // inside an AMX task the tiles are configured (the same palette) and stay so
+                super::lora::product_bf(rows, t.u.get().add(i * t.ldu), t.ldu, 1, &*t.b.0, j0 - t.col0, j1 - t.col0, c.add(j0 - lo), ldc, t.alpha, true, self.micro == Micro::Amx);
             }
         }
     }
@@ -1557,7 +1559,7 @@ pub(crate) mod amx {
     }
 }
 
-/// `f32_to_bf16_bits` on 16 lanes (for the bf16 attention's operands).
+/// `f32_to_bf16_bits` on 16 lanes (for the bf16 attention's and LoRA products' operands).
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx512::round16;
 

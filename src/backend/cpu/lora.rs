@@ -18,9 +18,11 @@
 //! With a bf16 weight the pairs are fused into the projection's GEMM (`matmul_lora`,
 //! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache, and the
 //! pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`).
-use super::gemm_bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, PackedBf16, Tail, TailU};
+use super::gemm_bf16::{f32_to_bf16_bits, matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, PackedBf16, Tail, TailU};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
+use std::cell::RefCell;
+use std::sync::OnceLock;
 
 /// Rows per block: x and dy rows of a block (≤ 64 × 1536 f32 each) stay in L2.
 const BLOCK: usize = 64;
@@ -91,6 +93,45 @@ fn lora_few(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: 
     }
 }
 
+/// `lora` with bf16 operands (`--dtype bf16`, `product_bf`): `u = bf(x)·bf(Aᵀ)`, then
+/// `out += scale·bf(u)·bf(Bᵀ)`, f32 sums. The fused forward's few-rows path and its reference.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
+    pair_bf16(x, &Pair::new(a, b, scale, r, col0, n_out), m, k, out, ld)
+}
+
+/// `lora_bf16` of one pair (its bf16 operands kept where it has shadows).
+fn pair_bf16(x: &[f32], p: &Pair, m: usize, k: usize, out: &mut [f32], ld: usize) {
+    let (r, n_out, col0) = (p.r, p.n_out, p.col0);
+    assert!(x.len() >= m * k && p.a.len() >= r * k && p.b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
+    if m == 0 || r == 0 || n_out == 0 {
+        return;
+    }
+    let (ba, bb) = (p.bf_at(k), p.bf_bt());
+    let outp = SendPtr(out.as_mut_ptr());
+    let run = |i0: usize, rows: usize| {
+        let mut u = vec![0f32; rows * r];
+        let _tiles = Tiles::new();
+        // Safety: rows i0..i0+rows are this task's; extents checked above.
+        unsafe {
+            product_bf(rows, x.as_ptr().add(i0 * k), k, 1, &ba, 0, r, u.as_mut_ptr(), r, 1.0, false, true);
+            product_bf(rows, u.as_ptr(), r, 1, &bb, 0, n_out, outp.get().add(i0 * ld + col0), ld, p.scale, true, true);
+        }
+    };
+    if m <= BLOCK {
+        run(0, m);
+    } else {
+        (0..m.div_ceil(BLOCK)).into_par_iter().for_each(|c| run(c * BLOCK, BLOCK.min(m - c * BLOCK)));
+    }
+}
+
+/// `lora_bwd` with bf16 operands (`--dtype bf16`): the fused backward's reference.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_bwd_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &[f32], col0: usize, ld: usize, da: &mut [f32], db: &mut [f32], dx: Option<&mut [f32]>) {
+    let pair = Pair::new(a, b, scale, r, col0, n_out);
+    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, None, true);
+}
+
 /// The LoRA pair's gradients (`TrainBackend::lora_bwd`): `dA += duᵀ x`, `dB += scale·dy_sᵀ u`
 /// with `u = x Aᵀ`, `du = scale·dy_s B`, and `dx += du A` when `dx` is given (the pair is not
 /// merged into the weight its input gradient went through). `dy_s` = columns `col0..col0+n_out`
@@ -115,8 +156,8 @@ pub fn lora_bwd(
     keep_du: Option<&mut [f32]>,
 ) {
     // every size is checked (`bwd_pairs`) even when there is nothing to do
-    let pair = Pair { a, b, scale, r, col0, n_out };
-    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep_du);
+    let pair = Pair::new(a, b, scale, r, col0, n_out);
+    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep_du, false);
 }
 
 /// Where each pair's r columns start when the pairs' u (du, Aᵀ) sit side by side, and the total
@@ -138,7 +179,7 @@ fn stacked_at(pairs: &[&Pair], k: usize, rs: usize) -> Vec<f32> {
 /// The same bits as one `lora_bwd` per pair: every element is the same FMA chain, and dx takes
 /// the pairs' terms in pair order. `keep` (`[m, rs]`, rs = Σ r): du of every pair side by side.
 #[allow(clippy::too_many_arguments)]
-fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<&mut [f32]>) {
+fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<&mut [f32]>, bf: bool) {
     let (offs, rs) = side_by_side(pairs);
     assert!(pairs.len() == grads.len() && x.len() >= m * k && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.as_ref().is_none_or(|d| d.len() >= m * rs), "lora_bwd: x, dx or du too small");
     for (p, (da, db)) in pairs.iter().zip(grads.iter()) {
@@ -147,8 +188,11 @@ fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usi
     if m == 0 || rs == 0 {
         return;
     }
-    let at = stacked_at(pairs, k, rs);
     let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep.map(|v| SendPtr(v.as_mut_ptr())));
+    if bf {
+        return bwd_pairs_bf(x, m, k, pairs, &offs, rs, dy, ld, grads, dxp, keep);
+    }
+    let at = stacked_at(pairs, k, rs);
     let partials: Vec<(Vec<f32>, Vec<Vec<f32>>)> = (0..m.div_ceil(CHUNK))
         .into_par_iter()
         .map(|c| {
@@ -194,6 +238,65 @@ fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usi
     }
 }
 
+/// `bwd_pairs` with bf16 operands: per block of rows the same products, each on `product_bf`.
+/// The two m-reductions take the block's rows as pairs of B (x for dA, dy's slice for dB,
+/// rounded by vectors), so dB is formed transposed per chunk (`[r, n_out]`) and turned once.
+#[allow(clippy::too_many_arguments)]
+fn bwd_pairs_bf(x: &[f32], m: usize, k: usize, pairs: &[&Pair], offs: &[usize], rs: usize, dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dxp: Option<SendPtr<f32>>, keep: Option<SendPtr<f32>>) {
+    let ats: Vec<Op> = pairs.iter().map(|p| p.bf_at(k)).collect();
+    let bbs: Vec<Op> = pairs.iter().map(|p| p.bf_b()).collect();
+    let bas: Vec<Op> = if dxp.is_some() { pairs.iter().map(|p| p.bf_a(k)).collect() } else { Vec::new() };
+    let partials: Vec<(Vec<f32>, Vec<Vec<f32>>)> = (0..m.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
+            let mut pa = vec![0f32; rs * k];
+            let mut pbt: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.r * p.n_out]).collect();
+            let mut u = vec![0f32; BLOCK.min(rows) * rs];
+            let mut du = vec![0f32; BLOCK.min(rows) * rs];
+            let (mut bdy, mut bx) = (BfB::empty(), BfB::empty());
+            let _tiles = Tiles::new();
+            for b0 in (i0..i0 + rows).step_by(BLOCK) {
+                let mb = BLOCK.min(i0 + rows - b0);
+                // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
+                unsafe {
+                    let xs = x.as_ptr().add(b0 * k);
+                    // u [mb, rs] = x_blk Aᵀ, every pair's from one conversion of the block
+                    let outs: Vec<Out> = ats.iter().zip(offs).map(|(b, &o)| Out { b, j0: 0, j1: b.n, c: u.as_mut_ptr().add(o), ldc: rs }).collect();
+                    products_bf(mb, xs, k, 1, &outs, 1.0, false, true);
+                    let dup = keep.map_or(du.as_mut_ptr(), |kp| kp.get().add(b0 * rs));
+                    for (((p, &o), pbt), bb) in pairs.iter().zip(offs).zip(pbt.iter_mut()).zip(&bbs) {
+                        let dys = dy.as_ptr().add(b0 * ld + p.col0);
+                        // du_p [mb, r] = scale · dy_blk B
+                        product_bf(mb, dys, ld, 1, bb, 0, p.r, dup.add(o), rs, p.scale, false, true);
+                        // dBᵀ [r, n_out] += scale · u_pᵀ dy_blk
+                        bdy.fill(dys, ld, mb, p.n_out);
+                        product_bf(p.r, u.as_ptr().add(o), 1, rs, &bdy, 0, p.n_out, pbt.as_mut_ptr(), p.n_out, p.scale, true, true);
+                    }
+                    // dA [rs, k] += duᵀ x_blk
+                    bx.fill(xs, k, mb, k);
+                    product_bf(rs, dup, 1, rs, &bx, 0, k, pa.as_mut_ptr(), k, 1.0, true, true);
+                    // dx_blk [mb, k] += du_p A_p, pair after pair
+                    if let Some(dxp) = dxp {
+                        for (&o, ba) in offs.iter().zip(&bas) {
+                            product_bf(mb, dup.add(o), rs, 1, ba, 0, k, dxp.get().add(b0 * k), k, 1.0, true, true);
+                        }
+                    }
+                }
+            }
+            (pa, pbt)
+        })
+        .collect();
+    for (pa, pbt) in partials {
+        for (((da, db), p), (&o, pbt)) in grads.iter_mut().zip(pairs).zip(offs.iter().zip(&pbt)) {
+            super::norm::add(&mut da[..p.r * k], &pa[o * k..(o + p.r) * k]);
+            for (oi, row) in db[..p.n_out * p.r].chunks_exact_mut(p.r).enumerate() {
+                row.iter_mut().enumerate().for_each(|(j, v)| *v += pbt[j * p.n_out + oi]);
+            }
+        }
+    }
+}
+
 /// One LoRA pair on a column slice of a projection's output (`Backend::matmul_lora`).
 pub struct Pair<'a> {
     /// `[r, k]`
@@ -204,11 +307,48 @@ pub struct Pair<'a> {
     pub r: usize,
     pub col0: usize,
     pub n_out: usize,
+    /// Where A's and B's bf16 operands are kept between calls (their `CpuBuf`s); none: made per call.
+    sh: [Option<&'a Shadow>; 2],
 }
 
-impl Pair<'_> {
+impl<'a> Pair<'a> {
+    pub fn new(a: &'a [f32], b: &'a [f32], scale: f32, r: usize, col0: usize, n_out: usize) -> Self {
+        Pair { a, b, scale, r, col0, n_out, sh: [None, None] }
+    }
+
+    /// The pair with A's and B's bf16 operands kept in `a` and `b` (`--dtype bf16`).
+    pub fn with_shadows(self, a: &'a Shadow, b: &'a Shadow) -> Self {
+        Pair { sh: [Some(a), Some(b)], ..self }
+    }
+
     fn check(&self, k: usize, n: usize) {
         assert!(self.a.len() >= self.r * k && self.b.len() >= self.n_out * self.r && self.col0 + self.n_out <= n, "LoRA pair [{}, {k}] x [{}, {}] at column {} does not fit a product of {n} columns", self.r, self.n_out, self.r, self.col0);
+    }
+
+    // The bf16 right operands (checked by `check` or the callers' asserts first).
+    /// Aᵀ `[k, r]`: `u = x Aᵀ`.
+    fn bf_at(&self, k: usize) -> Op<'a> {
+        let (a, r) = (self.a, self.r);
+        // Safety: Aᵀ is [k, r], row-major.
+        op(self.sh[0].map(|s| &s.t), k, r, || unsafe { BfB::new(transpose(&a[..r * k], r, k).as_ptr(), r, k, r) })
+    }
+    /// A `[r, k]`: `dx += du A`.
+    fn bf_a(&self, k: usize) -> Op<'a> {
+        let (a, r) = (self.a, self.r);
+        // Safety: A holds [r, k] (checked).
+        op(self.sh[0].map(|s| &s.n), r, k, || unsafe { BfB::new(a.as_ptr(), k, r, k) })
+    }
+    /// Bᵀ `[r, n_out]`: `y += s·u Bᵀ`.
+    fn bf_bt(&self) -> Op<'a> {
+        let (b, r, n) = (self.b, self.r, self.n_out);
+        // Safety: Bᵀ is [r, n_out], row-major.
+        op(self.sh[1].map(|s| &s.t), r, n, || unsafe { BfB::new(transpose(&b[..n * r], n, r).as_ptr(), n, r, n) })
+    }
+    /// B `[n_out, r]`: `du = s·dy B`.
+    fn bf_b(&self) -> Op<'a> {
+        let (b, r, n) = (self.b, self.r, self.n_out);
+        // Safety: B holds [n_out, r] (checked).
+        op(self.sh[1].map(|s| &s.n), n, r, || unsafe { BfB::new(b.as_ptr(), r, n, r) })
     }
 }
 
@@ -231,7 +371,7 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
     if m <= FEW_ROWS || k == 0 || pairs.is_empty() {
         matmul_bf16_with(x, w, bias, m, k, n, out, kernel, true);
         for p in pairs {
-            lora(x, p.a, p.b, p.scale, m, k, p.r, p.n_out, out, p.col0, n);
+            pair_bf16(x, p, m, k, out, n);
         }
         return;
     }
@@ -244,13 +384,13 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
 /// tails and their `TailU`, valid while it runs.
 fn with_forward_tails<R>(pairs: &[&Pair], m: usize, k: usize, run: impl FnOnce(&[Tail], &TailU) -> R) -> R {
     let (offs, rs) = side_by_side(pairs);
-    let at = stacked_at(pairs, k, rs);
-    let bts: Vec<Vec<f32>> = pairs.iter().map(|p| transpose(&p.b[..p.n_out * p.r], p.n_out, p.r)).collect();
+    let ats: Vec<Op> = pairs.iter().map(|p| p.bf_at(k)).collect();
+    let bts: Vec<Op> = pairs.iter().map(|p| p.bf_bt()).collect();
     let mut u = vec![0f32; m * rs];
     let up = SendPtr(u.as_mut_ptr());
     // Safety (`add`): offsets inside u's rows
-    let tails: Vec<Tail> = pairs.iter().zip(&bts).zip(&offs).map(|((p, bt), &o)| Tail { u: SendPtr(unsafe { up.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(bt.as_ptr() as *mut f32), ldb: p.n_out, alpha: p.scale, col0: p.col0, ncols: p.n_out }).collect();
-    let tu = TailU { at: SendPtr(at.as_ptr() as *mut f32), r: rs, u: up };
+    let tails: Vec<Tail> = pairs.iter().zip(&bts).zip(&offs).map(|((p, bt), &o)| Tail { u: SendPtr(unsafe { up.get().add(o) }), ldu: rs, b: SendPtr(&**bt as *const BfB as *mut BfB), alpha: p.scale, col0: p.col0, ncols: p.n_out }).collect();
+    let tu = TailU { at: ats.iter().zip(&offs).map(|(b, &o)| (SendPtr(&**b as *const BfB as *mut BfB), o)).collect(), r: rs, u: up };
     run(&tails, &tu)
 }
 
@@ -294,12 +434,327 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
     let (live, mut gs): (Vec<&Pair>, Vec<(&mut [f32], &mut [f32])>) = pairs.iter().zip(grads.iter_mut()).filter(|(p, _)| p.r > 0).map(|(p, (a, b))| (p, (&mut **a, &mut **b))).unzip();
     let (offs, rs) = side_by_side(&live);
     let mut du = vec![0f32; m * rs];
-    bwd_pairs(x, m, k, &live, dy, n, &mut gs, None, Some(&mut du));
+    bwd_pairs(x, m, k, &live, dy, n, &mut gs, None, Some(&mut du), true);
     let dup = SendPtr(du.as_mut_ptr());
+    let bas: Vec<Op> = live.iter().map(|p| p.bf_a(k)).collect();
     // Safety (`add`): offsets inside du's rows
-    let tails: Vec<Tail> = live.iter().zip(&offs).filter(|_| m > 0 && n > 0).map(|(p, &o)| Tail { u: SendPtr(unsafe { dup.get().add(o) }), ldu: rs, r: p.r, b: SendPtr(p.a.as_ptr() as *mut f32), ldb: k, alpha: 1.0, col0: 0, ncols: k }).collect();
+    let tails: Vec<Tail> = live.iter().zip(&offs).zip(&bas).filter(|_| m > 0 && n > 0).map(|((_, &o), ba)| Tail { u: SendPtr(unsafe { dup.get().add(o) }), ldu: rs, b: SendPtr(&**ba as *const BfB as *mut BfB), alpha: 1.0, col0: 0, ncols: k }).collect();
     // Safety: du [m, rs] above, A [r, k] checked; the tails only read them.
     unsafe { matmul_dx_bf16_tails(dy, w, m, n, k, dx, false, kernel, true, &tails) }
+}
+
+// ---- bf16 operands (`--dtype bf16`) ----
+//
+// Under `--dtype bf16` every LoRA product rounds its operands to bf16 (x, dy, A, B, u, du) and
+// sums in f32: the policy of the CUDA backend, whose LoRA GEMMs read the bf16 shadows of A and B
+// and round u and du to bf16 (`src/backend/cuda/gemm.rs`). The masters, gradients and AdamW
+// moments stay f32. On AMX the products run on tiles (`tdpbf16ps`); in f32 they took ~18 % of a
+// bf16 training step on a 2-core Xeon, at a sixteenth of the tiles' rate. Elsewhere they run
+// `product` on the rounded values (exact products, one f32 FMA chain per element).
+
+/// 64 bytes of words: AMX tile rows and tile stores that straddle two lines cost 15–20 %.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; 16]);
+
+/// `buf` holding at least `words` words (grown only; the contents are the caller's to write).
+fn reserve(buf: &mut Vec<Line>, words: usize) -> *mut u32 {
+    if buf.len() * 16 < words {
+        buf.resize(words.div_ceil(16), Line([0; 16]));
+    }
+    buf.as_mut_ptr() as *mut u32
+}
+
+thread_local! {
+    /// The calling thread's A operand of `product_bf`, as pair words (reused across calls).
+    static A_WORDS: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The right operand `B [kk, n]` of a bf16 LoRA product, rounded once. With AMX: panels of 32
+/// columns, each `pairs` pair rows of 32 words, `bf(B[2q, j]) | bf(B[2q+1, j]) << 16` (`pairs` =
+/// ⌈kk/2⌉ up to a multiple of 16; zero past kk and n): the tile kernel's B operand, as
+/// `gemm_bf16`'s packed panels. Without: the rounded values as f32 `[kk, n]`.
+pub(crate) struct BfB {
+    kk: usize,
+    n: usize,
+    pairs: usize,
+    amx: bool,
+    data: Vec<Line>,
+}
+
+impl BfB {
+    fn empty() -> BfB {
+        BfB { kk: 0, n: 0, pairs: 0, amx: super::gemm_bf16::amx_available(), data: Vec::new() }
+    }
+
+    /// # Safety
+    /// `b` covers `kk` rows `ldb` apart of `n` columns.
+    pub(crate) unsafe fn new(b: *const f32, ldb: usize, kk: usize, n: usize) -> BfB {
+        let mut o = BfB::empty();
+        o.fill(b, ldb, kk, n);
+        o
+    }
+
+    /// This operand made from another B, in the same storage (a block's rows, block after block).
+    ///
+    /// # Safety
+    /// As `new`.
+    unsafe fn fill(&mut self, b: *const f32, ldb: usize, kk: usize, n: usize) {
+        (self.kk, self.n, self.pairs) = (kk, n, kk.div_ceil(2).next_multiple_of(16));
+        if !self.amx {
+            let d = reserve(&mut self.data, kk * n);
+            for l in 0..kk {
+                for j in 0..n {
+                    *d.add(l * n + j) = (f32_to_bf16_bits(*b.add(l * ldb + j)) as u32) << 16;
+                }
+            }
+            return;
+        }
+        let d = reserve(&mut self.data, n.div_ceil(32) * self.pairs * 32);
+        #[cfg(target_arch = "x86_64")]
+        x512::b_panels(b, ldb, kk, n, self.pairs, d);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (b, ldb, d);
+    }
+
+    fn words(&self) -> *const u32 {
+        self.data.as_ptr() as *const u32
+    }
+
+    /// Columns.
+    pub(crate) fn n(&self) -> usize {
+        self.n
+    }
+}
+
+/// One output of `products_bf`: `C[·, j1 − j0]` from columns `j0..j1` of `b`, rows `ldc` apart.
+pub(crate) struct Out<'b> {
+    pub b: &'b BfB,
+    pub j0: usize,
+    pub j1: usize,
+    pub c: *mut f32,
+    pub ldc: usize,
+}
+
+/// `C[m, j1 − j0] (+)= alpha · bf(A)[m, kk] · B[kk, j0..j1]` with f32 sums; A's element (i, l)
+/// at `a[i·a_rs + l·a_cs]` (row-major `a_cs = 1` is converted by vectors), C's row i at
+/// `c[i·ldc..]`. On AMX each element is its `tdpbf16ps` sequence over all of B's pairs (one
+/// block): it depends on neither m nor the other rows or columns, so a batch gives its rows'
+/// bits one by one, as the f32 path's FMA chains do. `configured`: the caller holds the tiles
+/// (a GEMM task, `Tiles`); otherwise they are configured and released here.
+///
+/// # Safety
+/// The pointers cover those extents; `c` does not alias A or B; `j0 ≤ j1 ≤ b.n`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usize, b: &BfB, j0: usize, j1: usize, c: *mut f32, ldc: usize, alpha: f32, accumulate: bool, configured: bool) {
+    products_bf(m, a, a_rs, a_cs, &[Out { b, j0, j1, c, ldc }], alpha, accumulate, configured)
+}
+
+/// `product_bf` into several outputs from one A (their B of one kk), A converted once.
+///
+/// # Safety
+/// As `product_bf`, for every output.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: &[Out], alpha: f32, accumulate: bool, configured: bool) {
+    let Some(kk) = outs.first().map(|o| o.b.kk) else { return };
+    assert!(outs.iter().all(|o| o.b.kk == kk && o.j0 <= o.j1 && o.j1 <= o.b.n), "products_bf: outputs of another reduction or beyond their B");
+    if m == 0 {
+        return;
+    }
+    if kk == 0 {
+        for o in outs.iter().filter(|_| !accumulate) {
+            (0..m).for_each(|i| std::slice::from_raw_parts_mut(o.c.add(i * o.ldc), o.j1 - o.j0).fill(0.0));
+        }
+        return;
+    }
+    if !outs[0].b.amx {
+        // the rounded values, then the f32 kernel (bf16 × bf16 is exact in f32)
+        let mut ar = vec![0f32; m * kk];
+        for i in 0..m {
+            for l in 0..kk {
+                ar[i * kk + l] = f32::from_bits((f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << 16);
+            }
+        }
+        for o in outs {
+            product(m, o.j1 - o.j0, kk, ar.as_ptr(), kk, 1, (o.b.words() as *const f32).add(o.j0), o.b.n, o.c, o.ldc, alpha, accumulate);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    A_WORDS.with(|buf| {
+        use super::gemm_bf16::amx;
+        let mut buf = buf.borrow_mut();
+        // A as pair words, rows of `pairs`, whole strips of 32 rows (zero past m and kk)
+        let pairs = outs[0].b.pairs;
+        let d = reserve(&mut buf, m.next_multiple_of(32) * pairs);
+        if a_cs == 1 {
+            x512::a_rows(a, a_rs, m, kk, pairs, d);
+        } else {
+            // a column-major A (duᵀ, uᵀ: r × a block's rows) is small
+            std::slice::from_raw_parts_mut(d, m.next_multiple_of(32) * pairs).fill(0);
+            for i in 0..m {
+                for l in 0..kk {
+                    *d.add(i * pairs + l / 2) |= (f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << (16 * (l % 2));
+                }
+            }
+        }
+        if !configured {
+            amx::configure();
+        }
+        let mut sums = amx::Sums([0f32; 32 * 32]);
+        for s in (0..m).step_by(32) {
+            let rows = (m - s).min(32);
+            for o in outs {
+                let (j0, j1) = (o.j0, o.j1);
+                for p in j0 / 32..j1.div_ceil(32) {
+                    amx::block_to(d.add(s * pairs), pairs, 16, o.b.words().add(p * pairs * 32), pairs, sums.0.as_mut_ptr(), 32);
+                    let (lo, hi) = (j0.max(32 * p), j1.min(32 * p + 32));
+                    for r in 0..rows {
+                        let out = std::slice::from_raw_parts_mut(o.c.add((s + r) * o.ldc + lo - j0), hi - lo);
+                        let sr = &sums.0[r * 32 + lo - 32 * p..r * 32 + hi - 32 * p];
+                        if accumulate {
+                            out.iter_mut().zip(sr).for_each(|(o, &v)| *o += alpha * v);
+                        } else {
+                            out.iter_mut().zip(sr).for_each(|(o, &v)| *o = alpha * v);
+                        }
+                    }
+                }
+            }
+        }
+        if !configured {
+            amx::release();
+        }
+    })
+}
+
+/// bf16 copies of an f32 matrix `M [rows, cols]` (a LoRA A or B) as the right operand of its
+/// products: `t` = Mᵀ (`u = x Aᵀ`, `y += u Bᵀ`), `n` = M (`du = dy B`, `dx += du A`). Made on
+/// first use, kept in the parameter's `CpuBuf` and dropped on any write to it (`deref_mut`):
+/// the CPU twin of CUDA's bf16 shadow of each LoRA master, so a decode step does not round A and
+/// B again for every layer and pair.
+#[derive(Default)]
+pub struct Shadow {
+    t: OnceLock<BfB>,
+    n: OnceLock<BfB>,
+}
+
+/// A bf16 operand kept in a `Shadow` or made for one call.
+enum Op<'a> {
+    Kept(&'a BfB),
+    Made(BfB),
+}
+
+impl std::ops::Deref for Op<'_> {
+    type Target = BfB;
+    fn deref(&self) -> &BfB {
+        match self {
+            Op::Kept(b) => b,
+            Op::Made(b) => b,
+        }
+    }
+}
+
+/// The operand `[kk, n]` from `cell` (made there on first use), or made now (no cell, or the
+/// cell holds another shape).
+fn op<'a>(cell: Option<&'a OnceLock<BfB>>, kk: usize, n: usize, make: impl Fn() -> BfB) -> Op<'a> {
+    if let Some(c) = cell {
+        let b = c.get_or_init(&make);
+        if (b.kk, b.n) == (kk, n) {
+            return Op::Kept(b);
+        }
+    }
+    Op::Made(make())
+}
+
+/// The AMX tiles held for a scope of `product_bf(…, configured: true)` calls (no-op without AMX).
+pub(crate) struct Tiles(bool);
+
+impl Tiles {
+    pub(crate) fn new() -> Tiles {
+        let amx = super::gemm_bf16::amx_available();
+        #[cfg(target_arch = "x86_64")]
+        if amx {
+            // Safety: AMX is present and granted (`amx_available`).
+            unsafe { super::gemm_bf16::amx::configure() };
+        }
+        Tiles(amx)
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        if self.0 {
+            // Safety: releasing the tile state is always allowed.
+            unsafe { super::gemm_bf16::amx::release() };
+        }
+    }
+}
+
+/// The bf16 operands' conversions (AVX512F/BW, which AMX implies).
+#[cfg(target_arch = "x86_64")]
+mod x512 {
+    use super::super::gemm_bf16::round16;
+    use std::arch::x86_64::*;
+
+    fn mask(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xffff
+        } else {
+            ((1u32 << n) - 1) as u16
+        }
+    }
+
+    /// `BfB`'s panels of `B [kk, n]` (rows `ldb` apart) at `dst`: `n.div_ceil(32)` panels of
+    /// `pairs` pair rows × 32 words, zero past kk and n.
+    ///
+    /// # Safety
+    /// AVX512F/BW; the extents.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn b_panels(b: *const f32, ldb: usize, kk: usize, n: usize, pairs: usize, dst: *mut u32) {
+        let panels = n.div_ceil(32);
+        for p in 0..panels {
+            let dp = dst.add(p * pairs * 32);
+            let (k0, k1) = (mask(n - 32 * p), mask((n - 32 * p).saturating_sub(16)));
+            for q in 0..pairs {
+                let (lo, hi) = if 2 * q + 1 < kk {
+                    let (r0, r1) = (b.add(2 * q * ldb + 32 * p) as *const i32, b.add((2 * q + 1) * ldb + 32 * p) as *const i32);
+                    (
+                        [round16(_mm512_maskz_loadu_epi32(k0, r0)), round16(_mm512_maskz_loadu_epi32(k1, r0.add(16)))],
+                        [round16(_mm512_maskz_loadu_epi32(k0, r1)), round16(_mm512_maskz_loadu_epi32(k1, r1.add(16)))],
+                    )
+                } else if 2 * q < kk {
+                    let r0 = b.add(2 * q * ldb + 32 * p) as *const i32;
+                    ([round16(_mm512_maskz_loadu_epi32(k0, r0)), round16(_mm512_maskz_loadu_epi32(k1, r0.add(16)))], [_mm512_setzero_si512(); 2])
+                } else {
+                    ([_mm512_setzero_si512(); 2], [_mm512_setzero_si512(); 2])
+                };
+                for v in 0..2 {
+                    _mm512_store_si512(dp.add(q * 32 + 16 * v) as *mut _, _mm512_or_si512(lo[v], _mm512_slli_epi32::<16>(hi[v])));
+                }
+            }
+        }
+    }
+
+    /// Rows `0..m` of a row-major A (`a_rs` apart, `kk` values) as pair words at `dst`, rows of
+    /// `pairs` words (zero past kk), then zero rows up to a multiple of 32.
+    ///
+    /// # Safety
+    /// AVX512F/BW; the extents.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn a_rows(a: *const f32, a_rs: usize, m: usize, kk: usize, pairs: usize, dst: *mut u32) {
+        for i in 0..m {
+            let (src, d) = (a.add(i * a_rs) as *const i32, dst.add(i * pairs));
+            for g in 0..pairs / 16 {
+                let l0 = 32 * g;
+                let (k0, k1) = (mask(kk.saturating_sub(l0)), mask(kk.saturating_sub(l0 + 16)));
+                let lo = _mm512_cvtepi32_epi16(round16(_mm512_maskz_loadu_epi32(k0, src.add(l0))));
+                let hi = _mm512_cvtepi32_epi16(round16(_mm512_maskz_loadu_epi32(k1, src.add(l0 + 16))));
+                _mm512_storeu_si512(d.add(16 * g) as *mut _, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi));
+            }
+        }
+        std::slice::from_raw_parts_mut(dst.add(m * pairs), (m.next_multiple_of(32) - m) * pairs).fill(0);
+    }
 }
 
 /// `C[m, n] (+)= alpha · A[m, kk] · B[kk, n]`, serial: A's element (i, l) at `a[i·a_rs + l·a_cs]`,
@@ -557,6 +1012,44 @@ mod tests {
         }
     }
 
+    /// The bf16-operand forward and backward (`lora_bf16`, `lora_bwd_bf16`) against f64 on the
+    /// operands rounded to bf16, u and du rounded where the next product reads them: what is left
+    /// is f32 summation (and a rare bf16 rounding of u or du that f32 sums tip the other way), so
+    /// the bound is 1e-4 in norm, where an unrounded operand alone is ~2e-3 and a wrong index O(1).
+    /// AMX where present (the tiles), else the f32 kernel on rounded values.
+    #[test]
+    fn bf16_forward_and_backward_match_f64() {
+        let bf = |v: f64| f32::from_bits((f32_to_bf16_bits(v as f32) as u32) << 16) as f64;
+        let mut rng = Rng::new(22);
+        for &(m, k, r, n, col0, ld) in &[(1, 12, 3, 7, 6, 20), (21, 12, 3, 7, 6, 20), (64, 100, 16, 70, 0, 70), (65, 576, 16, 192, 576, 960), (300, 64, 17, 130, 5, 140), (530, 96, 48, 64, 32, 96), (33, 31, 5, 40, 1, 41)] {
+            let s = 1.7f32;
+            let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * ld));
+            let rb = |v: &[f32]| v.iter().map(|&e| bf(e as f64) as f32).collect::<Vec<f32>>();
+            let (xb, ab, bb, dyb) = (rb(&x), rb(&a), rb(&b), rb(&dy));
+            // the reference on the rounded operands, with u and du rounded as the products read them
+            let u: Vec<f64> = (0..m * r).map(|e| bf((0..k).map(|t| xb[e / r * k + t] as f64 * ab[e % r * k + t] as f64).sum())).collect();
+            let du: Vec<f64> = (0..m * r).map(|e| bf(s as f64 * (0..n).map(|o| dyb[e / r * ld + col0 + o] as f64 * bb[o * r + e % r] as f64).sum::<f64>())).collect();
+            let y: Vec<f64> = (0..m * n).map(|e| s as f64 * (0..r).map(|j| u[e / n * r + j] * bb[e % n * r + j] as f64).sum::<f64>()).collect();
+            let da: Vec<f64> = (0..r * k).map(|e| (0..m).map(|i| du[i * r + e / k] * xb[i * k + e % k] as f64).sum()).collect();
+            let db: Vec<f64> = (0..n * r).map(|e| s as f64 * (0..m).map(|i| dyb[i * ld + col0 + e / r] as f64 * u[i * r + e % r]).sum::<f64>()).collect();
+            let dx: Vec<f64> = (0..m * k).map(|e| (0..r).map(|j| du[e / k * r + j] * ab[j * k + e % k] as f64).sum()).collect();
+            let prior = rand(&mut rng, m * ld);
+            let mut out = prior.clone();
+            lora_bf16(&x, &a, &b, s, m, k, r, n, &mut out, col0, ld);
+            let got: Vec<f32> = (0..m * n).map(|e| out[e / n * ld + col0 + e % n] - prior[e / n * ld + col0 + e % n]).collect();
+            let untouched = (0..m * ld).filter(|e| !(col0..col0 + n).contains(&(e % ld))).all(|e| out[e] == prior[e]);
+            assert!(untouched, "lora_bf16 wrote outside its column slice at {m}x{k} r{r}");
+            let (pa, pb, px) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * k));
+            let (mut ga, mut gb, mut gx) = (pa.clone(), pb.clone(), px.clone());
+            lora_bwd_bf16(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx));
+            let minus = |g: &[f32], p: &[f32]| g.iter().zip(p).map(|(g, p)| g - p).collect::<Vec<f32>>();
+            for (name, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
+                let e = rel(&g, &want);
+                assert!(e < 1e-4, "bf16 {name} at m {m} k {k} r {r} n {n}: relative error {e:.2e}");
+            }
+        }
+    }
+
     /// The AVX-512 and AVX2 kernels (each where the CPU has it) and the portable loop give the
     /// same bits, for row- and column-major A, every tile shape of both kernels and accumulation.
     #[test]
@@ -616,7 +1109,7 @@ mod tests {
             let w = rand(&mut rng, n * k);
             let pw = PackedBf16::from_f32(&w, n, k);
             let ab: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, n_out)| (rand(&mut rng, r * k), rand(&mut rng, n_out * r))).collect();
-            let pairs: Vec<Pair> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| Pair { a, b, scale: 0.7, r, col0, n_out }).collect();
+            let pairs: Vec<Pair> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| Pair::new(a, b, 0.7, r, col0, n_out)).collect();
             let fused = swiglu_fusable(&pw, inter) && (m > FEW_ROWS || pairs.is_empty());
             fused_any |= fused;
             for threads in [1, 2] {
@@ -685,7 +1178,7 @@ mod tests {
             let dy = rand(&mut rng, m * n);
             let pw = PackedBf16::from_f32(&w, n, k);
             let ab: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, n_out)| (rand(&mut rng, r * k), rand(&mut rng, n_out * r))).collect();
-            let pairs: Vec<Pair> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| Pair { a, b, scale: 0.7, r, col0, n_out }).collect();
+            let pairs: Vec<Pair> = shape.iter().zip(&ab).map(|(&(r, col0, n_out), (a, b))| Pair::new(a, b, 0.7, r, col0, n_out)).collect();
             let g0: Vec<(Vec<f32>, Vec<f32>)> = shape.iter().map(|&(r, _, n_out)| (rand(&mut rng, r * k), rand(&mut rng, n_out * r))).collect();
             for &kernel in &kernels {
                 for threads in [1, 2] {
@@ -695,7 +1188,7 @@ mod tests {
                         let mut want = vec![0f32; m * n];
                         matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut want, kernel, true);
                         for p in &pairs {
-                            lora(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &mut want, p.col0, n);
+                            lora_bf16(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &mut want, p.col0, n);
                         }
                         let mut got = vec![f32::NAN; m * n];
                         matmul_lora_with(&x, &pw, Some(&bias), m, k, n, &mut got, &pairs, kernel);
@@ -705,7 +1198,7 @@ mod tests {
                         matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut want_dx, false, kernel, true);
                         let mut want_g = g0.clone();
                         for (p, (ga, gb)) in pairs.iter().zip(want_g.iter_mut()) {
-                            lora_bwd(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx), None);
+                            lora_bwd_bf16(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx));
                         }
                         let mut got_dx = vec![f32::NAN; m * k];
                         let mut got_g = g0.clone();

@@ -209,7 +209,11 @@ impl Backend for CpuBackend {
     }
     fn lora(&self, x: &CpuBuf, a: &CpuBuf, b: &CpuBuf, scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut CpuBuf, col0: usize, ld: usize) -> Result<()> {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
-        lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld);
+        // under --dtype bf16 the LoRA products take bf16 operands too (docs/DESIGN.md §3)
+        match self.weights {
+            WeightDtype::Bf16 => lora::lora_bf16(x, a, b, scale, m, k, r, n_out, out, col0, ld),
+            WeightDtype::F32 => lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld),
+        }
         Ok(())
     }
     fn matmul_lora(&self, x: &CpuBuf, w: &CpuBuf, bias: Option<&CpuBuf>, m: usize, k: usize, n: usize, out: &mut CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>]) -> Result<()> {
@@ -387,7 +391,10 @@ impl TrainBackend for CpuBackend {
         ensure!(da.len() == r * k && db.len() == n_out * r, "lora_bwd: gradient buffers do not match A [{r}, {k}], B [{n_out}, {r}]");
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r, "lora_bwd: x, A or B smaller than [{m}, {k}], [{r}, {k}], [{n_out}, {r}]");
         ensure!(dx.as_ref().is_none_or(|d| d.len() >= m * k), "lora_bwd: dx smaller than [{m}, {k}]");
-        lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()), None);
+        match self.weights {
+            WeightDtype::Bf16 => lora::lora_bwd_bf16(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice())),
+            WeightDtype::F32 => lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()), None),
+        }
         Ok(())
     }
     fn head_grad(&self, h: &CpuBuf, head: &CpuBuf, targets: &[u32], d: usize, vocab: usize, g: &mut CpuBuf) -> Result<HeadOut> {
@@ -446,7 +453,7 @@ fn host_pairs<'a>(pairs: &[LoraSlice<'a, CpuBuf>], k: usize, n: usize) -> Result
         .iter()
         .map(|p| {
             ensure!(p.a.len() >= p.r * k && p.b.len() >= p.n_out * p.r && p.col0 + p.n_out <= n, "LoRA pair A [{}, {k}], B [{}, {}] at column {} does not fit a product [{n}, {k}]", p.r, p.n_out, p.r, p.col0);
-            Ok(lora::Pair { a: p.a.as_slice(), b: p.b.as_slice(), scale: p.scale, r: p.r, col0: p.col0, n_out: p.n_out })
+            Ok(lora::Pair::new(p.a.as_slice(), p.b.as_slice(), p.scale, p.r, p.col0, p.n_out).with_shadows(p.a.shadow(), p.b.shadow()))
         })
         .collect()
 }
@@ -458,6 +465,42 @@ mod tests {
 
     fn rand(rng: &mut Rng, n: usize) -> Vec<f32> {
         (0..n).map(|_| rng.normal() as f32).collect()
+    }
+
+    /// A LoRA parameter's bf16 copies (`lora::Shadow`, kept in its `CpuBuf` under `--dtype
+    /// bf16`) follow its values: after `write` and after an in-place update through `&mut` (as
+    /// AdamW's), the fused forward and backward, on decode- and prefill-sized row counts, give
+    /// the bits of fresh buffers (no copies yet) holding the new values.
+    #[test]
+    fn lora_shadows_follow_writes() {
+        let mut rng = Rng::new(9);
+        let be = CpuBackend::with_weights(WeightDtype::Bf16);
+        let (k, n, r) = (64usize, 96usize, 8usize);
+        let w = be.upload_weight(rand(&mut rng, n * k), n, k).unwrap();
+        let (a0, b0, a1) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, r * k));
+        for m in [5usize, 40] {
+            let (x, dy) = (be.upload(&rand(&mut rng, m * k)).unwrap(), be.upload(&rand(&mut rng, m * n)).unwrap());
+            // (out, dx, dA, dB) of the fused ops with these A and B
+            let run = |a: &CpuBuf, b: &CpuBuf| {
+                let pairs = [LoraSlice { a, b, scale: 1.5, r, col0: 0, n_out: n }];
+                let mut out = be.zeros(m * n).unwrap();
+                be.matmul_lora(&x, &w, None, m, k, n, &mut out, &pairs).unwrap();
+                let (mut dx, mut ga, mut gb) = (be.zeros(m * k).unwrap(), be.zeros(r * k).unwrap(), be.zeros(n * r).unwrap());
+                be.matmul_dx_lora(&dy, &w, m, n, k, &mut dx, &x, &pairs, &mut [(&mut ga, &mut gb)]).unwrap();
+                [out, dx, ga, gb].map(|v| v.to_vec())
+            };
+            let fresh = |a: &[f32], b: &[f32]| run(&be.upload(a).unwrap(), &be.upload(b).unwrap());
+            let (mut a, mut b) = (be.upload(&a0).unwrap(), be.upload(&b0).unwrap());
+            let before = run(&a, &b); // makes the copies
+            assert!(before == fresh(&a0, &b0), "m {m}: kept copies differ from fresh ones");
+            be.write(&mut a, &a1).unwrap();
+            let want = fresh(&a1, &b0);
+            assert!(want != before, "m {m}: the new A changed nothing");
+            assert!(run(&a, &b) == want, "m {m}: after write, the bf16 copies of A are stale");
+            b.iter_mut().for_each(|v| *v *= -0.5);
+            let b1: Vec<f32> = b0.iter().map(|v| v * -0.5).collect();
+            assert!(run(&a, &b) == fresh(&a1, &b1), "m {m}: after an in-place update, the bf16 copies of B are stale");
+        }
     }
 
     /// The backend's fused ops give the separate ops' bits on every weight kind they route:
