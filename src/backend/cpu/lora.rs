@@ -199,49 +199,71 @@ fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usi
         return bwd_pairs_bf(x, m, k, pairs, &offs, rs, dy, ld, grads, dxp, keep);
     }
     let at = stacked_at(pairs, k, rs);
-    let partials: Vec<(Vec<f32>, Vec<Vec<f32>>)> = (0..m.div_ceil(CHUNK))
-        .into_par_iter()
-        .map(|c| {
-            let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
-            let mut pa = vec![0f32; rs * k];
-            let mut pb: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.n_out * p.r]).collect();
-            let mut u = vec![0f32; BLOCK.min(rows) * rs];
-            let mut du = vec![0f32; BLOCK.min(rows) * rs];
-            for b0 in (i0..i0 + rows).step_by(BLOCK) {
-                let mb = BLOCK.min(i0 + rows - b0);
-                // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
-                unsafe {
-                    let xs = x.as_ptr().add(b0 * k);
-                    // u [mb, rs] = x_blk Aᵀ
-                    product(mb, rs, k, xs, k, 1, at.as_ptr(), rs, u.as_mut_ptr(), rs, 1.0, false);
-                    // du (into `keep`'s rows when kept)
-                    let dup = keep.map_or(du.as_mut_ptr(), |kp| kp.get().add(b0 * rs));
-                    for ((p, &o), pb) in pairs.iter().zip(&offs).zip(pb.iter_mut()) {
-                        let dys = dy.as_ptr().add(b0 * ld + p.col0);
-                        // du_p [mb, r] = scale · dy_blk B
-                        product(mb, p.r, p.n_out, dys, ld, 1, p.b.as_ptr(), p.r, dup.add(o), rs, p.scale, false);
-                        // dB [n_out, r] += scale · dy_blkᵀ u_p: A = dyᵀ (element (o, i) at o + i·ld)
-                        product(p.n_out, p.r, mb, dys, 1, ld, u.as_ptr().add(o), rs, pb.as_mut_ptr(), p.r, p.scale, true);
-                    }
-                    // dA [rs, k] += duᵀ x_blk
-                    product(rs, k, mb, dup, 1, rs, xs, k, pa.as_mut_ptr(), k, 1.0, true);
-                    // dx_blk [mb, k] += du_p A_p, pair after pair
-                    if let Some(dxp) = dxp {
-                        for (p, &o) in pairs.iter().zip(&offs) {
-                            product(mb, k, p.r, dup.add(o), rs, 1, p.a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
-                        }
-                    }
+    let partials = chunk_partials(m, k, rs, pairs, keep, || (), |_, b| {
+        let (b0, mb, u, dup) = (b.b0, b.mb, b.u, b.dup);
+        // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
+        unsafe {
+            let xs = x.as_ptr().add(b0 * k);
+            // u [mb, rs] = x_blk Aᵀ
+            product(mb, rs, k, xs, k, 1, at.as_ptr(), rs, u, rs, 1.0, false);
+            for ((p, &o), pb) in pairs.iter().zip(&offs).zip(b.pb.iter_mut()) {
+                let dys = dy.as_ptr().add(b0 * ld + p.col0);
+                // du_p [mb, r] = scale · dy_blk B
+                product(mb, p.r, p.n_out, dys, ld, 1, p.b.as_ptr(), p.r, dup.add(o), rs, p.scale, false);
+                // dB [n_out, r] += scale · dy_blkᵀ u_p: A = dyᵀ (element (o, i) at o + i·ld)
+                product(p.n_out, p.r, mb, dys, 1, ld, u.add(o), rs, pb.as_mut_ptr(), p.r, p.scale, true);
+            }
+            // dA [rs, k] += duᵀ x_blk
+            product(rs, k, mb, dup, 1, rs, xs, k, b.pa.as_mut_ptr(), k, 1.0, true);
+            // dx_blk [mb, k] += du_p A_p, pair after pair
+            if let Some(dxp) = dxp {
+                for (p, &o) in pairs.iter().zip(&offs) {
+                    product(mb, k, p.r, dup.add(o), rs, 1, p.a.as_ptr(), k, dxp.get().add(b0 * k), k, 1.0, true);
                 }
             }
-            (pa, pb)
-        })
-        .collect();
+        }
+    });
     for (pa, pb) in partials {
         for (((da, db), p), (&o, pb)) in grads.iter_mut().zip(pairs).zip(offs.iter().zip(&pb)) {
             super::norm::add(&mut da[..p.r * k], &pa[o * k..(o + p.r) * k]);
             super::norm::add(&mut db[..p.n_out * p.r], pb);
         }
     }
+}
+
+/// One block of rows of the LoRA backward (`chunk_partials`): rows `b0..b0+mb`; `u` and `dup`
+/// (du; `keep`'s rows when kept) hold `[mb, rs]`; `pa` and `pb` are the chunk's partial dA
+/// `[rs, k]` and each pair's partial dB (`n_out·r` values).
+struct Blk<'a> {
+    b0: usize,
+    mb: usize,
+    u: *mut f32,
+    dup: *mut f32,
+    pa: &'a mut [f32],
+    pb: &'a mut [Vec<f32>],
+}
+
+/// The LoRA backward's rows: chunks of `CHUNK` in parallel, each with its own partials (zero),
+/// u and du scratch and state (`init`), its blocks of `BLOCK` rows in order (`block`). Returns
+/// each chunk's (dA, dB per pair) partials, in row order: fixed chunks, so the sums do not depend
+/// on the thread count.
+fn chunk_partials<S>(m: usize, k: usize, rs: usize, pairs: &[&Pair], keep: Option<SendPtr<f32>>, init: impl Fn() -> S + Sync, block: impl Fn(&mut S, Blk) + Sync) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
+    (0..m.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
+            let mut pa = vec![0f32; rs * k];
+            let mut pb: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.n_out * p.r]).collect();
+            let (mut u, mut du) = (vec![0f32; BLOCK.min(rows) * rs], vec![0f32; BLOCK.min(rows) * rs]);
+            let mut state = init();
+            for b0 in (i0..i0 + rows).step_by(BLOCK) {
+                // Safety (`add`): keep holds [m, rs] (the callers' contract)
+                let dup = keep.map_or(du.as_mut_ptr(), |kp| unsafe { kp.get().add(b0 * rs) });
+                block(&mut state, Blk { b0, mb: BLOCK.min(i0 + rows - b0), u: u.as_mut_ptr(), dup, pa: &mut pa, pb: &mut pb });
+            }
+            (pa, pb)
+        })
+        .collect()
 }
 
 /// `bwd_pairs` with bf16 operands: per block of rows the same products, each on `product_bf`.
@@ -252,47 +274,35 @@ fn bwd_pairs_bf(x: &[f32], m: usize, k: usize, pairs: &[&Pair], offs: &[usize], 
     let ats: Vec<Op> = pairs.iter().map(|p| p.bf_at(k)).collect();
     let bbs: Vec<Op> = pairs.iter().map(|p| p.bf_b()).collect();
     let bas: Vec<Op> = if dxp.is_some() { pairs.iter().map(|p| p.bf_a(k)).collect() } else { Vec::new() };
-    let partials: Vec<(Vec<f32>, Vec<Vec<f32>>)> = (0..m.div_ceil(CHUNK))
-        .into_par_iter()
-        .map(|c| {
-            let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
-            let mut pa = vec![0f32; rs * k];
-            let mut pbt: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.r * p.n_out]).collect();
-            let mut u = vec![0f32; BLOCK.min(rows) * rs];
-            let mut du = vec![0f32; BLOCK.min(rows) * rs];
-            let (mut bdy, mut bx) = (BfB::empty(), BfB::empty());
-            let _tiles = Tiles::new();
-            for b0 in (i0..i0 + rows).step_by(BLOCK) {
-                let mb = BLOCK.min(i0 + rows - b0);
-                // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
-                unsafe {
-                    let xs = x.as_ptr().add(b0 * k);
-                    // u [mb, rs] = x_blk Aᵀ, every pair's from one conversion of the block
-                    let outs: Vec<Out> = ats.iter().zip(offs).map(|(b, &o)| Out { b, j0: 0, j1: b.n, c: u.as_mut_ptr().add(o), ldc: rs }).collect();
-                    products_bf(mb, xs, k, 1, &outs, 1.0, false, true);
-                    let dup = keep.map_or(du.as_mut_ptr(), |kp| kp.get().add(b0 * rs));
-                    for (((p, &o), pbt), bb) in pairs.iter().zip(offs).zip(pbt.iter_mut()).zip(&bbs) {
-                        let dys = dy.as_ptr().add(b0 * ld + p.col0);
-                        // du_p [mb, r] = scale · dy_blk B
-                        product_bf(mb, dys, ld, 1, bb, 0, p.r, dup.add(o), rs, p.scale, false, true);
-                        // dBᵀ [r, n_out] += scale · u_pᵀ dy_blk
-                        bdy.fill(dys, ld, mb, p.n_out);
-                        product_bf(p.r, u.as_ptr().add(o), 1, rs, &bdy, 0, p.n_out, pbt.as_mut_ptr(), p.n_out, p.scale, true, true);
-                    }
-                    // dA [rs, k] += duᵀ x_blk
-                    bx.fill(xs, k, mb, k);
-                    product_bf(rs, dup, 1, rs, &bx, 0, k, pa.as_mut_ptr(), k, 1.0, true, true);
-                    // dx_blk [mb, k] += du_p A_p, pair after pair
-                    if let Some(dxp) = dxp {
-                        for (&o, ba) in offs.iter().zip(&bas) {
-                            product_bf(mb, dup.add(o), rs, 1, ba, 0, k, dxp.get().add(b0 * k), k, 1.0, true, true);
-                        }
-                    }
+    // per chunk: the block's x and dy slices as B, and the tiles held
+    let init = || (BfB::empty(), BfB::empty(), Tiles::new());
+    let partials = chunk_partials(m, k, rs, pairs, keep, init, |(bdy, bx, _), b| {
+        let (b0, mb, u, dup) = (b.b0, b.mb, b.u, b.dup);
+        // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
+        unsafe {
+            let xs = x.as_ptr().add(b0 * k);
+            // u [mb, rs] = x_blk Aᵀ, every pair's from one conversion of the block
+            let outs: Vec<Out> = ats.iter().zip(offs).map(|(a, &o)| Out { b: a, j0: 0, j1: a.n, c: u.add(o), ldc: rs }).collect();
+            products_bf(mb, xs, k, 1, &outs, 1.0, false, true);
+            for (((p, &o), pbt), bb) in pairs.iter().zip(offs).zip(b.pb.iter_mut()).zip(&bbs) {
+                let dys = dy.as_ptr().add(b0 * ld + p.col0);
+                // du_p [mb, r] = scale · dy_blk B
+                product_bf(mb, dys, ld, 1, bb, 0, p.r, dup.add(o), rs, p.scale, false, true);
+                // dBᵀ [r, n_out] += scale · u_pᵀ dy_blk
+                bdy.fill(dys, ld, mb, p.n_out);
+                product_bf(p.r, u.add(o), 1, rs, bdy, 0, p.n_out, pbt.as_mut_ptr(), p.n_out, p.scale, true, true);
+            }
+            // dA [rs, k] += duᵀ x_blk
+            bx.fill(xs, k, mb, k);
+            product_bf(rs, dup, 1, rs, bx, 0, k, b.pa.as_mut_ptr(), k, 1.0, true, true);
+            // dx_blk [mb, k] += du_p A_p, pair after pair
+            if let Some(dxp) = dxp {
+                for (&o, ba) in offs.iter().zip(&bas) {
+                    product_bf(mb, dup.add(o), rs, 1, ba, 0, k, dxp.get().add(b0 * k), k, 1.0, true, true);
                 }
             }
-            (pa, pbt)
-        })
-        .collect();
+        }
+    });
     for (pa, pbt) in partials {
         for (((da, db), p), (&o, pbt)) in grads.iter_mut().zip(pairs).zip(offs.iter().zip(&pbt)) {
             super::norm::add(&mut da[..p.r * k], &pa[o * k..(o + p.r) * k]);
@@ -314,17 +324,17 @@ pub struct Pair<'a> {
     pub col0: usize,
     pub n_out: usize,
     /// Where A's and B's bf16 operands are kept between calls (their `CpuBuf`s); none: made per call.
-    sh: [Option<&'a Shadow>; 2],
+    shadows: [Option<&'a Shadow>; 2],
 }
 
 impl<'a> Pair<'a> {
     pub fn new(a: &'a [f32], b: &'a [f32], scale: f32, r: usize, col0: usize, n_out: usize) -> Self {
-        Pair { a, b, scale, r, col0, n_out, sh: [None, None] }
+        Pair { a, b, scale, r, col0, n_out, shadows: [None, None] }
     }
 
     /// The pair with A's and B's bf16 operands kept in `a` and `b` (`--dtype bf16`).
     pub fn with_shadows(self, a: &'a Shadow, b: &'a Shadow) -> Self {
-        Pair { sh: [Some(a), Some(b)], ..self }
+        Pair { shadows: [Some(a), Some(b)], ..self }
     }
 
     fn check(&self, k: usize, n: usize) {
@@ -336,25 +346,25 @@ impl<'a> Pair<'a> {
     fn bf_at(&self, k: usize) -> Op<'a> {
         let (a, r) = (self.a, self.r);
         // Safety: Aᵀ is [k, r], row-major.
-        op(self.sh[0].map(|s| &s.t), k, r, || unsafe { BfB::new(transpose(&a[..r * k], r, k).as_ptr(), r, k, r) })
+        op(self.shadows[0].map(|s| &s.t), k, r, || unsafe { BfB::new(transpose(&a[..r * k], r, k).as_ptr(), r, k, r) })
     }
     /// A `[r, k]`: `dx += du A`.
     fn bf_a(&self, k: usize) -> Op<'a> {
         let (a, r) = (self.a, self.r);
         // Safety: A holds [r, k] (checked).
-        op(self.sh[0].map(|s| &s.n), r, k, || unsafe { BfB::new(a.as_ptr(), k, r, k) })
+        op(self.shadows[0].map(|s| &s.n), r, k, || unsafe { BfB::new(a.as_ptr(), k, r, k) })
     }
     /// Bᵀ `[r, n_out]`: `y += s·u Bᵀ`.
     fn bf_bt(&self) -> Op<'a> {
         let (b, r, n) = (self.b, self.r, self.n_out);
         // Safety: Bᵀ is [r, n_out], row-major.
-        op(self.sh[1].map(|s| &s.t), r, n, || unsafe { BfB::new(transpose(&b[..n * r], n, r).as_ptr(), n, r, n) })
+        op(self.shadows[1].map(|s| &s.t), r, n, || unsafe { BfB::new(transpose(&b[..n * r], n, r).as_ptr(), n, r, n) })
     }
     /// B `[n_out, r]`: `du = s·dy B`.
     fn bf_b(&self) -> Op<'a> {
         let (b, r, n) = (self.b, self.r, self.n_out);
         // Safety: B holds [n_out, r] (checked).
-        op(self.sh[1].map(|s| &s.n), n, r, || unsafe { BfB::new(b.as_ptr(), r, n, r) })
+        op(self.shadows[1].map(|s| &s.n), n, r, || unsafe { BfB::new(b.as_ptr(), r, n, r) })
     }
 }
 
@@ -971,15 +981,18 @@ mod tests {
         (0..n).map(|_| rng.normal() as f32).collect()
     }
 
-    /// The forward and backward in f64 from the definitions: (y slice, dA, dB, dx).
+    /// The forward and backward in f64 from the definitions: (y slice, dA, dB, dx). `q` is applied
+    /// to every value a product reads (x, A, B, dy, and u and du as the next products read them):
+    /// the identity for the f32 ops, bf16 rounding for the bf16 ones.
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
-    fn reference(x: &[f32], a: &[f32], b: &[f32], s: f64, m: usize, k: usize, r: usize, n: usize, dy: &[f32], col0: usize, ld: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
-        let u: Vec<f64> = (0..m * r).map(|e| (0..k).map(|t| x[e / r * k + t] as f64 * a[e % r * k + t] as f64).sum()).collect();
-        let du: Vec<f64> = (0..m * r).map(|e| s * (0..n).map(|o| dy[e / r * ld + col0 + o] as f64 * b[o * r + e % r] as f64).sum::<f64>()).collect();
-        let y: Vec<f64> = (0..m * n).map(|e| s * (0..r).map(|j| u[e / n * r + j] * b[e % n * r + j] as f64).sum::<f64>()).collect();
-        let da: Vec<f64> = (0..r * k).map(|e| (0..m).map(|i| du[i * r + e / k] * x[i * k + e % k] as f64).sum()).collect();
-        let db: Vec<f64> = (0..n * r).map(|e| s * (0..m).map(|i| dy[i * ld + col0 + e / r] as f64 * u[i * r + e % r]).sum::<f64>()).collect();
-        let dx: Vec<f64> = (0..m * k).map(|e| (0..r).map(|j| du[e / k * r + j] * a[j * k + e % k] as f64).sum()).collect();
+    fn reference(x: &[f32], a: &[f32], b: &[f32], s: f64, m: usize, k: usize, r: usize, n: usize, dy: &[f32], col0: usize, ld: usize, q: fn(f64) -> f64) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (x, a, b, dy) = [x, a, b, dy].map(|v| v.iter().map(|&e| q(e as f64)).collect::<Vec<f64>>()).into();
+        let u: Vec<f64> = (0..m * r).map(|e| q((0..k).map(|t| x[e / r * k + t] * a[e % r * k + t]).sum())).collect();
+        let du: Vec<f64> = (0..m * r).map(|e| q(s * (0..n).map(|o| dy[e / r * ld + col0 + o] * b[o * r + e % r]).sum::<f64>())).collect();
+        let y: Vec<f64> = (0..m * n).map(|e| s * (0..r).map(|j| u[e / n * r + j] * b[e % n * r + j]).sum::<f64>()).collect();
+        let da: Vec<f64> = (0..r * k).map(|e| (0..m).map(|i| du[i * r + e / k] * x[i * k + e % k]).sum()).collect();
+        let db: Vec<f64> = (0..n * r).map(|e| s * (0..m).map(|i| dy[i * ld + col0 + e / r] * u[i * r + e % r]).sum::<f64>()).collect();
+        let dx: Vec<f64> = (0..m * k).map(|e| (0..r).map(|j| du[e / k * r + j] * a[j * k + e % k]).sum()).collect();
         (y, da, db, dx)
     }
 
@@ -989,71 +1002,50 @@ mod tests {
         (num / den.max(1e-300)).sqrt()
     }
 
-    /// Forward and backward against f64 over shapes that cross the block and chunk edges, ranks
-    /// that are not a multiple of 16 and a column slice of a wider output; accumulation into
-    /// what the buffers held.
-    #[test]
-    fn forward_and_backward_match_f64() {
-        let mut rng = Rng::new(21);
-        for &(m, k, r, n, col0, ld) in &[(1, 12, 3, 7, 6, 20), (21, 12, 3, 7, 6, 20), (64, 100, 16, 70, 0, 70), (65, 576, 16, 192, 576, 960), (300, 64, 17, 130, 5, 140), (530, 96, 48, 64, 32, 96)] {
+    type Fwd = fn(&[f32], &[f32], &[f32], f32, usize, usize, usize, usize, &mut [f32], usize, usize);
+    type Bwd = fn(&[f32], &[f32], &[f32], f32, usize, usize, usize, usize, &[f32], usize, usize, &mut [f32], &mut [f32], Option<&mut [f32]>);
+
+    /// Forward and backward against the f64 `reference` (with `q`) over shapes that cross the
+    /// block and chunk edges, ranks that are not a multiple of 16 (or of 2), a k off the pairs and
+    /// a column slice of a wider output; accumulation into what the buffers held.
+    fn check_against_f64(name: &str, fwd: Fwd, bwd: Bwd, q: fn(f64) -> f64, bound: f64, seed: u64) {
+        let mut rng = Rng::new(seed);
+        for &(m, k, r, n, col0, ld) in &[(1, 12, 3, 7, 6, 20), (21, 12, 3, 7, 6, 20), (64, 100, 16, 70, 0, 70), (65, 576, 16, 192, 576, 960), (300, 64, 17, 130, 5, 140), (530, 96, 48, 64, 32, 96), (33, 31, 5, 40, 1, 41)] {
             let s = 1.7f32;
             let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * ld));
-            let (y, da, db, dx) = reference(&x, &a, &b, s as f64, m, k, r, n, &dy, col0, ld);
+            let (y, da, db, dx) = reference(&x, &a, &b, s as f64, m, k, r, n, &dy, col0, ld, q);
             let prior = rand(&mut rng, m * ld);
             let mut out = prior.clone();
-            lora(&x, &a, &b, s, m, k, r, n, &mut out, col0, ld);
+            fwd(&x, &a, &b, s, m, k, r, n, &mut out, col0, ld);
             let got: Vec<f32> = (0..m * n).map(|e| out[e / n * ld + col0 + e % n] - prior[e / n * ld + col0 + e % n]).collect();
             let untouched = (0..m * ld).filter(|e| !(col0..col0 + n).contains(&(e % ld))).all(|e| out[e] == prior[e]);
-            assert!(untouched, "lora wrote outside its column slice at {m}x{k} r{r}");
+            assert!(untouched, "{name} wrote outside its column slice at {m}x{k} r{r}");
             let (pa, pb, px) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * k));
             let (mut ga, mut gb, mut gx) = (pa.clone(), pb.clone(), px.clone());
-            lora_bwd(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx), None);
+            bwd(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx));
             let minus = |g: &[f32], p: &[f32]| g.iter().zip(p).map(|(g, p)| g - p).collect::<Vec<f32>>();
-            for (name, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
+            for (what, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
                 let e = rel(&g, &want);
-                // f32 sums of ≤ 576 terms: ~1e-7 per term in norm; 1e-5 leaves room, a wrong
-                // index or a dropped block is O(1)
-                assert!(e < 1e-5, "{name} at m {m} k {k} r {r} n {n}: relative error {e:.2e}");
+                assert!(e < bound, "{name}: {what} at m {m} k {k} r {r} n {n}: relative error {e:.2e}");
             }
         }
     }
 
-    /// The bf16-operand forward and backward (`lora_bf16`, `lora_bwd_bf16`) against f64 on the
-    /// operands rounded to bf16, u and du rounded where the next product reads them: what is left
-    /// is f32 summation (and a rare bf16 rounding of u or du that f32 sums tip the other way), so
-    /// the bound is 1e-4 in norm, where an unrounded operand alone is ~2e-3 and a wrong index O(1).
-    /// AMX where present (the tiles), else the f32 kernel on rounded values.
+    /// The f32 ops: f32 sums of ≤ 576 terms, ~1e-7 per term in norm; 1e-5 leaves room, a wrong
+    /// index or a dropped block is O(1).
+    #[test]
+    fn forward_and_backward_match_f64() {
+        check_against_f64("lora", lora, |x, a, b, s, m, k, r, n, dy, c, ld, da, db, dx| lora_bwd(x, a, b, s, m, k, r, n, dy, c, ld, da, db, dx, None), |v| v, 1e-5, 21);
+    }
+
+    /// The bf16-operand ops (`lora_bf16`, `lora_bwd_bf16`; AMX where present, else the f32 kernel
+    /// on rounded values) against the reference on bf16-rounded operands, u and du rounded where
+    /// the next product reads them: what is left is f32 summation (and a rare bf16 rounding of u
+    /// or du that f32 sums tip the other way), so the bound is 1e-4 in norm, where an unrounded
+    /// operand alone is ~2e-3 and a wrong index O(1).
     #[test]
     fn bf16_forward_and_backward_match_f64() {
-        let bf = |v: f64| f32::from_bits((f32_to_bf16_bits(v as f32) as u32) << 16) as f64;
-        let mut rng = Rng::new(22);
-        for &(m, k, r, n, col0, ld) in &[(1, 12, 3, 7, 6, 20), (21, 12, 3, 7, 6, 20), (64, 100, 16, 70, 0, 70), (65, 576, 16, 192, 576, 960), (300, 64, 17, 130, 5, 140), (530, 96, 48, 64, 32, 96), (33, 31, 5, 40, 1, 41)] {
-            let s = 1.7f32;
-            let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * ld));
-            let rb = |v: &[f32]| v.iter().map(|&e| bf(e as f64) as f32).collect::<Vec<f32>>();
-            let (xb, ab, bb, dyb) = (rb(&x), rb(&a), rb(&b), rb(&dy));
-            // the reference on the rounded operands, with u and du rounded as the products read them
-            let u: Vec<f64> = (0..m * r).map(|e| bf((0..k).map(|t| xb[e / r * k + t] as f64 * ab[e % r * k + t] as f64).sum())).collect();
-            let du: Vec<f64> = (0..m * r).map(|e| bf(s as f64 * (0..n).map(|o| dyb[e / r * ld + col0 + o] as f64 * bb[o * r + e % r] as f64).sum::<f64>())).collect();
-            let y: Vec<f64> = (0..m * n).map(|e| s as f64 * (0..r).map(|j| u[e / n * r + j] * bb[e % n * r + j] as f64).sum::<f64>()).collect();
-            let da: Vec<f64> = (0..r * k).map(|e| (0..m).map(|i| du[i * r + e / k] * xb[i * k + e % k] as f64).sum()).collect();
-            let db: Vec<f64> = (0..n * r).map(|e| s as f64 * (0..m).map(|i| dyb[i * ld + col0 + e / r] as f64 * u[i * r + e % r]).sum::<f64>()).collect();
-            let dx: Vec<f64> = (0..m * k).map(|e| (0..r).map(|j| du[e / k * r + j] * ab[j * k + e % k] as f64).sum()).collect();
-            let prior = rand(&mut rng, m * ld);
-            let mut out = prior.clone();
-            lora_bf16(&x, &a, &b, s, m, k, r, n, &mut out, col0, ld);
-            let got: Vec<f32> = (0..m * n).map(|e| out[e / n * ld + col0 + e % n] - prior[e / n * ld + col0 + e % n]).collect();
-            let untouched = (0..m * ld).filter(|e| !(col0..col0 + n).contains(&(e % ld))).all(|e| out[e] == prior[e]);
-            assert!(untouched, "lora_bf16 wrote outside its column slice at {m}x{k} r{r}");
-            let (pa, pb, px) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * k));
-            let (mut ga, mut gb, mut gx) = (pa.clone(), pb.clone(), px.clone());
-            lora_bwd_bf16(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx));
-            let minus = |g: &[f32], p: &[f32]| g.iter().zip(p).map(|(g, p)| g - p).collect::<Vec<f32>>();
-            for (name, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
-                let e = rel(&g, &want);
-                assert!(e < 1e-4, "bf16 {name} at m {m} k {k} r {r} n {n}: relative error {e:.2e}");
-            }
-        }
+        check_against_f64("lora_bf16", lora_bf16, lora_bwd_bf16, |v| f32::from_bits((f32_to_bf16_bits(v as f32) as u32) << 16) as f64, 1e-4, 22);
     }
 
     /// The AVX-512 and AVX2 kernels (each where the CPU has it) and the portable loop give the
