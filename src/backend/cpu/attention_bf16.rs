@@ -27,7 +27,7 @@
 //! for pair q, column j holds elements 2q and 2q+1 of the reduction for output column j).
 #[cfg(target_arch = "x86_64")]
 use super::gemm_bf16::amx;
-use super::gemm_bf16::{amx_available, vdp_available};
+use super::gemm_bf16::{amx_available, vdp_available, Tiles};
 #[cfg(not(target_arch = "x86_64"))]
 use super::gemm_bf16::f32_to_bf16_bits;
 use std::cell::RefCell;
@@ -360,34 +360,17 @@ pub fn pack_panels_cols<'a>(
     np * T
 }
 
-/// The products' engine for this thread: AMX tiles where the CPU has them (configured here, and
-/// dropped when it ends: a thread without tile state has smaller context switches), else the
-/// `vdpbf16ps` kernel on the same operands.
+/// The products' engine for this thread: AMX tiles where the CPU has them (held while it lives:
+/// `Tiles`), else the `vdpbf16ps` kernel on the same operands.
 pub struct Products {
-    amx: bool,
+    tiles: Tiles,
 }
 
 impl Products {
     #[allow(clippy::new_without_default)] // configuring tiles is not a default value
     pub fn new() -> Self {
         assert!(amx_available() || vdp_available(), "bf16 attention: neither AMX nor AVX512_BF16 on this CPU (check `usable` first)");
-        let amx = amx_available();
-        #[cfg(target_arch = "x86_64")]
-        if amx {
-            // Safety: AMX is present and granted to this process (`amx_available`).
-            unsafe { amx::configure() };
-        }
-        Products { amx }
-    }
-}
-
-impl Drop for Products {
-    fn drop(&mut self) {
-        #[cfg(target_arch = "x86_64")]
-        if self.amx {
-            // Safety: releasing the tile state is always allowed.
-            unsafe { amx::release() };
-        }
+        Products { tiles: Tiles::new() }
     }
 }
 
@@ -418,7 +401,7 @@ pub fn product(
     );
     #[cfg(target_arch = "x86_64")]
     {
-        if !pr.amx {
+        if !pr.tiles.held() {
             // Safety: `Products::new` asserted AVX512_BF16 (no AMX here); the extents are
             // asserted above.
             unsafe { super::gemm_bf16::vdp_product(a.as_ptr(), lda, m, b.as_ptr(), pstride, panels, pairs, c.as_mut_ptr(), ldc) };

@@ -351,10 +351,44 @@ pub fn amx_available() -> bool {
     })
 }
 
-/// 64 bytes: one cache line of packed words (keeps the packed data aligned).
+/// 64 bytes: one cache line of packed words (keeps the packed data aligned; AMX tile rows and
+/// stores that straddle two lines cost 15–20 %).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u32; 16]);
+pub(crate) struct Line(pub(crate) [u32; 16]);
+
+/// The AMX tile state held for a scope: configured by `new` where this process may use AMX
+/// (`amx_available`), released on drop (a thread without tile state has smaller context
+/// switches and signal frames); nothing elsewhere. Tile products inside the scope need not
+/// configure (`lora::product_bf(…, configured: true)`, the bf16 attention's `Products`).
+pub(crate) struct Tiles(bool);
+
+impl Tiles {
+    pub(crate) fn new() -> Tiles {
+        let held = amx_available();
+        #[cfg(target_arch = "x86_64")]
+        if held {
+            // Safety: AMX is present and granted to this process (`amx_available`).
+            unsafe { amx::configure() };
+        }
+        Tiles(held)
+    }
+
+    /// Whether the tiles are held (this process uses AMX).
+    pub(crate) fn held(&self) -> bool {
+        self.0
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        if self.0 {
+            // Safety: releasing the tile state is always allowed.
+            unsafe { amx::release() };
+        }
+    }
+}
 
 /// A `[n, k]` row-major weight rounded to bf16 and packed for the kernels (see the module doc).
 pub struct PackedBf16 {

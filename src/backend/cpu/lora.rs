@@ -24,7 +24,7 @@
 //! `Shadow`), the m-reductions (dA, dB) with the block's rows as B's pairs. Measured on a 2-core
 //! Xeon (2026-12-05, alternated with the f32-product binary): `bench --work train --dtype bf16`
 //! +5–9 %, decode with a rank-16 adapter +10 % (the f32 `lora_few` it replaces).
-use super::gemm_bf16::{f32_to_bf16_bits, matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, PackedBf16, Tail, TailU};
+use super::gemm_bf16::{f32_to_bf16_bits, matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, Line, PackedBf16, Tail, TailU, Tiles};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -468,11 +468,6 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
 // bf16 training step on a 2-core Xeon, at a sixteenth of the tiles' rate. Elsewhere they run
 // `product` on the rounded values (exact products, one f32 FMA chain per element).
 
-/// 64 bytes of words: AMX tile rows and tile stores that straddle two lines cost 15–20 %.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u32; 16]);
-
 /// `buf` holding at least `words` words (grown only; the contents are the caller's to write).
 fn reserve(buf: &mut Vec<Line>, words: usize) -> *mut u32 {
     if buf.len() * 16 < words {
@@ -482,7 +477,8 @@ fn reserve(buf: &mut Vec<Line>, words: usize) -> *mut u32 {
 }
 
 thread_local! {
-    /// The calling thread's A operand of `product_bf`, as pair words (reused across calls).
+    /// The calling thread's A operand of `product_bf`: pair words on AMX, else the rounded
+    /// values as f32 (reused across calls).
     static A_WORDS: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -583,64 +579,75 @@ pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usi
         }
         return;
     }
-    if !outs[0].b.amx {
-        // the rounded values, then the f32 kernel (bf16 × bf16 is exact in f32)
-        let mut ar = vec![0f32; m * kk];
-        for i in 0..m {
-            for l in 0..kk {
-                ar[i * kk + l] = f32::from_bits((f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << 16);
-            }
-        }
-        for o in outs {
-            product(m, o.j1 - o.j0, kk, ar.as_ptr(), kk, 1, (o.b.words() as *const f32).add(o.j0), o.b.n, o.c, o.ldc, alpha, accumulate);
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
     A_WORDS.with(|buf| {
-        use super::gemm_bf16::amx;
         let mut buf = buf.borrow_mut();
-        // A as pair words, rows of `pairs`, whole strips of 32 rows (zero past m and kk)
-        let pairs = outs[0].b.pairs;
-        let d = reserve(&mut buf, m.next_multiple_of(32) * pairs);
-        if a_cs == 1 {
-            x512::a_rows(a, a_rs, m, kk, pairs, d);
-        } else {
-            // a column-major A (duᵀ, uᵀ: r × a block's rows) is small
-            std::slice::from_raw_parts_mut(d, m.next_multiple_of(32) * pairs).fill(0);
+        if !outs[0].b.amx {
+            // the rounded values as f32 [m, kk], then the f32 kernel (bf16 × bf16 is exact in f32)
+            let ar = reserve(&mut buf, m * kk) as *mut f32;
             for i in 0..m {
                 for l in 0..kk {
-                    *d.add(i * pairs + l / 2) |= (f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << (16 * (l % 2));
+                    *ar.add(i * kk + l) = f32::from_bits((f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << 16);
                 }
             }
-        }
-        if !configured {
-            amx::configure();
-        }
-        let mut sums = amx::Sums([0f32; 32 * 32]);
-        for s in (0..m).step_by(32) {
-            let rows = (m - s).min(32);
             for o in outs {
-                let (j0, j1) = (o.j0, o.j1);
-                for p in j0 / 32..j1.div_ceil(32) {
-                    amx::block_to(d.add(s * pairs), pairs, 16, o.b.words().add(p * pairs * 32), pairs, sums.0.as_mut_ptr(), 32);
-                    let (lo, hi) = (j0.max(32 * p), j1.min(32 * p + 32));
-                    for r in 0..rows {
-                        let out = std::slice::from_raw_parts_mut(o.c.add((s + r) * o.ldc + lo - j0), hi - lo);
-                        let sr = &sums.0[r * 32 + lo - 32 * p..r * 32 + hi - 32 * p];
-                        if accumulate {
-                            out.iter_mut().zip(sr).for_each(|(o, &v)| *o += alpha * v);
-                        } else {
-                            out.iter_mut().zip(sr).for_each(|(o, &v)| *o = alpha * v);
-                        }
+                product(m, o.j1 - o.j0, kk, ar, kk, 1, (o.b.words() as *const f32).add(o.j0), o.b.n, o.c, o.ldc, alpha, accumulate);
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        amx_products(m, a, a_rs, a_cs, outs, alpha, accumulate, configured, &mut buf);
+    })
+}
+
+/// `products_bf` on AMX tiles, A converted into `buf`.
+///
+/// # Safety
+/// As `products_bf`; AMX is available.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn amx_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: &[Out], alpha: f32, accumulate: bool, configured: bool, buf: &mut Vec<Line>) {
+    use super::gemm_bf16::amx;
+    let kk = outs[0].b.kk;
+    // A as pair words, rows of `pairs`, whole strips of 32 rows (zero past m and kk)
+    let pairs = outs[0].b.pairs;
+    let d = reserve(buf, m.next_multiple_of(32) * pairs);
+    if a_cs == 1 {
+        x512::a_rows(a, a_rs, m, kk, pairs, d);
+    } else {
+        // a column-major A (duᵀ, uᵀ: r × a block's rows) is small
+        std::slice::from_raw_parts_mut(d, m.next_multiple_of(32) * pairs).fill(0);
+        for i in 0..m {
+            for l in 0..kk {
+                *d.add(i * pairs + l / 2) |= (f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << (16 * (l % 2));
+            }
+        }
+    }
+    if !configured {
+        amx::configure();
+    }
+    let mut sums = amx::Sums([0f32; 32 * 32]);
+    for s in (0..m).step_by(32) {
+        let rows = (m - s).min(32);
+        for o in outs {
+            let (j0, j1) = (o.j0, o.j1);
+            for p in j0 / 32..j1.div_ceil(32) {
+                amx::block_to(d.add(s * pairs), pairs, 16, o.b.words().add(p * pairs * 32), pairs, sums.0.as_mut_ptr(), 32);
+                let (lo, hi) = (j0.max(32 * p), j1.min(32 * p + 32));
+                for r in 0..rows {
+                    let out = std::slice::from_raw_parts_mut(o.c.add((s + r) * o.ldc + lo - j0), hi - lo);
+                    let sr = &sums.0[r * 32 + lo - 32 * p..r * 32 + hi - 32 * p];
+                    if accumulate {
+                        out.iter_mut().zip(sr).for_each(|(o, &v)| *o += alpha * v);
+                    } else {
+                        out.iter_mut().zip(sr).for_each(|(o, &v)| *o = alpha * v);
                     }
                 }
             }
         }
-        if !configured {
-            amx::release();
-        }
-    })
+    }
+    if !configured {
+        amx::release();
+    }
 }
 
 /// bf16 copies of an f32 matrix `M [rows, cols]` (a LoRA A or B) as the right operand of its
@@ -680,31 +687,6 @@ fn op<'a>(cell: Option<&'a OnceLock<BfB>>, kk: usize, n: usize, make: impl Fn() 
         }
     }
     Op::Made(make())
-}
-
-/// The AMX tiles held for a scope of `product_bf(…, configured: true)` calls (no-op without AMX).
-pub(crate) struct Tiles(bool);
-
-impl Tiles {
-    pub(crate) fn new() -> Tiles {
-        let amx = super::gemm_bf16::amx_available();
-        #[cfg(target_arch = "x86_64")]
-        if amx {
-            // Safety: AMX is present and granted (`amx_available`).
-            unsafe { super::gemm_bf16::amx::configure() };
-        }
-        Tiles(amx)
-    }
-}
-
-impl Drop for Tiles {
-    fn drop(&mut self) {
-        #[cfg(target_arch = "x86_64")]
-        if self.0 {
-            // Safety: releasing the tile state is always allowed.
-            unsafe { super::gemm_bf16::amx::release() };
-        }
-    }
 }
 
 /// The bf16 operands' conversions (AVX512F/BW, which AMX implies).
