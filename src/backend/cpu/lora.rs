@@ -20,7 +20,8 @@
 //! pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`). Under
 //! `--dtype bf16` (`lora_bf16`, `lora_bwd_bf16`, the fused ops) every one of them reads bf16
 //! operands and sums in f32, as CUDA's (`products_bf`, below): on AMX a tile product per 32-row
-//! strip and 32-column panel, B rounded once (`BfB`; A's and B's kept in their `CpuBuf`s,
+//! strip and 32-column panel (without AMX, the `vdpbf16ps` kernel on the same operands where
+//! AVX512_BF16 is, else the f32 kernel on rounded values), B rounded once (`BfB`; A's and B's kept in their `CpuBuf`s,
 //! `Shadow`), the m-reductions (dA, dB) with the block's rows as B's pairs. Measured on a 2-core
 //! Xeon (2026-12-05, alternated with the f32-product binary): `bench --work train --dtype bf16`
 //! +5–9 %, decode with a rank-16 adapter +10 % (the f32 `lora_few` it replaces).
@@ -482,21 +483,28 @@ thread_local! {
     static A_WORDS: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The right operand `B [kk, n]` of a bf16 LoRA product, rounded once. With AMX: panels of 32
-/// columns, each `pairs` pair rows of 32 words, `bf(B[2q, j]) | bf(B[2q+1, j]) << 16` (`pairs` =
-/// ⌈kk/2⌉ up to a multiple of 16; zero past kk and n): the tile kernel's B operand, as
-/// `gemm_bf16`'s packed panels. Without: the rounded values as f32 `[kk, n]`.
+/// The right operand `B [kk, n]` of a bf16 LoRA product, rounded once. With AMX or AVX512_BF16
+/// (`panels`): panels of 32 columns, each `pairs` pair rows of 32 words, `bf(B[2q, j]) |
+/// bf(B[2q+1, j]) << 16` (`pairs` = ⌈kk/2⌉ up to a multiple of 16; zero past kk and n): the tile
+/// and `vdpbf16ps` kernels' B operand, as `gemm_bf16`'s packed panels. Without: the rounded
+/// values as f32 `[kk, n]`.
 pub(crate) struct BfB {
     kk: usize,
     n: usize,
     pairs: usize,
-    amx: bool,
+    panels: bool,
     data: Vec<Line>,
+}
+
+/// Whether the bf16 LoRA products run on pair words (AMX tiles, else `vdpbf16ps`, as the GEMM's
+/// `Kernel::Auto` and the bf16 attention choose) rather than the f32 kernel on rounded values.
+fn pair_words() -> bool {
+    super::gemm_bf16::amx_available() || super::gemm_bf16::vdp_available()
 }
 
 impl BfB {
     fn empty() -> BfB {
-        BfB { kk: 0, n: 0, pairs: 0, amx: super::gemm_bf16::amx_available(), data: Vec::new() }
+        BfB { kk: 0, n: 0, pairs: 0, panels: pair_words(), data: Vec::new() }
     }
 
     /// # Safety
@@ -513,7 +521,7 @@ impl BfB {
     /// As `new`.
     unsafe fn fill(&mut self, b: *const f32, ldb: usize, kk: usize, n: usize) {
         (self.kk, self.n, self.pairs) = (kk, n, kk.div_ceil(2).next_multiple_of(16));
-        if !self.amx {
+        if !self.panels {
             let d = reserve(&mut self.data, kk * n);
             for l in 0..kk {
                 for j in 0..n {
@@ -551,9 +559,9 @@ pub(crate) struct Out<'b> {
 /// `C[m, j1 − j0] (+)= alpha · bf(A)[m, kk] · B[kk, j0..j1]` with f32 sums; A's element (i, l)
 /// at `a[i·a_rs + l·a_cs]` (row-major `a_cs = 1` is converted by vectors), C's row i at
 /// `c[i·ldc..]`. On AMX each element is its `tdpbf16ps` sequence over all of B's pairs (one
-/// block): it depends on neither m nor the other rows or columns, so a batch gives its rows'
-/// bits one by one, as the f32 path's FMA chains do. `configured`: the caller holds the tiles
-/// (a GEMM task, `Tiles`); otherwise they are configured and released here.
+/// block), elsewhere its `vdpbf16ps` or FMA chain: it depends on neither m nor the other rows or
+/// columns, so a batch gives its rows' bits one by one. `configured`: the caller holds the tiles
+/// (a GEMM task, `Tiles`; ignored without AMX); otherwise they are configured and released here.
 ///
 /// # Safety
 /// The pointers cover those extents; `c` does not alias A or B; `j0 ≤ j1 ≤ b.n`.
@@ -581,12 +589,18 @@ pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usi
     }
     A_WORDS.with(|buf| {
         let mut buf = buf.borrow_mut();
-        if !outs[0].b.amx {
+        if !outs[0].b.panels {
             // the rounded values as f32 [m, kk], then the f32 kernel (bf16 × bf16 is exact in f32)
             let ar = reserve(&mut buf, m * kk) as *mut f32;
+            let round = |x: f32| f32::from_bits((f32_to_bf16_bits(x) as u32) << 16);
             for i in 0..m {
-                for l in 0..kk {
-                    *ar.add(i * kk + l) = f32::from_bits((f32_to_bf16_bits(*a.add(i * a_rs + l * a_cs)) as u32) << 16);
+                let dst = std::slice::from_raw_parts_mut(ar.add(i * kk), kk);
+                if a_cs == 1 {
+                    // contiguous, so the loop vectorizes (the strided one rounded ~2.5 G values a
+                    // training step one by one)
+                    dst.iter_mut().zip(std::slice::from_raw_parts(a.add(i * a_rs), kk)).for_each(|(o, &x)| *o = round(x));
+                } else {
+                    dst.iter_mut().enumerate().for_each(|(l, o)| *o = round(*a.add(i * a_rs + l * a_cs)));
                 }
             }
             for o in outs {
@@ -595,19 +609,23 @@ pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usi
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        amx_products(m, a, a_rs, a_cs, outs, alpha, accumulate, configured, &mut buf);
+        pair_products(m, a, a_rs, a_cs, outs, alpha, accumulate, configured, &mut buf);
     })
 }
 
-/// `products_bf` on AMX tiles, A converted into `buf`.
+/// `products_bf` on pair words (A converted into `buf`): per 32-row strip and 32-column panel,
+/// the block's sums on AMX tiles, else on the `vdpbf16ps` kernel (`gemm_bf16::vdp_product`: the
+/// strip's rows only), then scaled into C. Without AMX this replaced the f32 kernel on rounded
+/// values, whose extra rounding pass had cost a `vdpbf16ps` training step ~7 %.
 ///
 /// # Safety
-/// As `products_bf`; AMX is available.
+/// As `products_bf`; AMX or AVX512_BF16 is available (`pair_words`).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn amx_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: &[Out], alpha: f32, accumulate: bool, configured: bool, buf: &mut Vec<Line>) {
-    use super::gemm_bf16::amx;
+unsafe fn pair_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: &[Out], alpha: f32, accumulate: bool, configured: bool, buf: &mut Vec<Line>) {
+    use super::gemm_bf16::{amx, amx_available, vdp_product};
     let kk = outs[0].b.kk;
+    let tiles = amx_available();
     // A as pair words, rows of `pairs`, whole strips of 32 rows (zero past m and kk)
     let pairs = outs[0].b.pairs;
     let d = reserve(buf, m.next_multiple_of(32) * pairs);
@@ -622,7 +640,7 @@ unsafe fn amx_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: 
             }
         }
     }
-    if !configured {
+    if tiles && !configured {
         amx::configure();
     }
     let mut sums = amx::Sums([0f32; 32 * 32]);
@@ -631,7 +649,12 @@ unsafe fn amx_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: 
         for o in outs {
             let (j0, j1) = (o.j0, o.j1);
             for p in j0 / 32..j1.div_ceil(32) {
-                amx::block_to(d.add(s * pairs), pairs, 16, o.b.words().add(p * pairs * 32), pairs, sums.0.as_mut_ptr(), 32);
+                let (sa, sb) = (d.add(s * pairs), o.b.words().add(p * pairs * 32));
+                if tiles {
+                    amx::block_to(sa, pairs, 16, sb, pairs, sums.0.as_mut_ptr(), 32);
+                } else {
+                    vdp_product(sa, pairs, rows, sb, pairs * 32, 1, pairs, sums.0.as_mut_ptr(), 32);
+                }
                 let (lo, hi) = (j0.max(32 * p), j1.min(32 * p + 32));
                 for r in 0..rows {
                     let out = std::slice::from_raw_parts_mut(o.c.add((s + r) * o.ldc + lo - j0), hi - lo);
@@ -645,7 +668,7 @@ unsafe fn amx_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs: 
             }
         }
     }
-    if !configured {
+    if tiles && !configured {
         amx::release();
     }
 }
