@@ -614,8 +614,8 @@ pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usi
 }
 
 /// `products_bf` on pair words (A converted into `buf`): per 32-row strip and 32-column panel,
-/// the block's sums on AMX tiles, else on the `vdpbf16ps` kernel (`gemm_bf16::vdp_product`: the
-/// strip's rows only), then scaled into C. Without AMX this replaced the f32 kernel on rounded
+/// the block's sums on AMX tiles, else on the `vdpbf16ps` kernel (`gemm_bf16::vdp_product`, or
+/// `vdp_half` for a half panel: the strip's rows and B's pairs only), then scaled into C. Without AMX this replaced the f32 kernel on rounded
 /// values, whose extra rounding pass had cost a `vdpbf16ps` training step ~7 %.
 ///
 /// # Safety
@@ -650,12 +650,19 @@ unsafe fn pair_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs:
             let (j0, j1) = (o.j0, o.j1);
             for p in j0 / 32..j1.div_ceil(32) {
                 let (sa, sb) = (d.add(s * pairs), o.b.words().add(p * pairs * 32));
+                let (lo, hi) = (j0.max(32 * p), j1.min(32 * p + 32));
                 if tiles {
                     amx::block_to(sa, pairs, 16, sb, pairs, sums.0.as_mut_ptr(), 32);
                 } else {
-                    vdp_product(sa, pairs, rows, sb, pairs * 32, 1, pairs, sums.0.as_mut_ptr(), 32);
+                    // only the pairs that hold values (tiles take whole 16-pair steps), and only
+                    // the half panel a rank-16 side needs
+                    let (kb, h) = (kk.div_ceil(2), (lo - 32 * p) / 16);
+                    if h == (hi - 1 - 32 * p) / 16 {
+                        x512::vdp_half(sa, pairs, rows, sb.add(16 * h), kb, sums.0.as_mut_ptr().add(16 * h), 32);
+                    } else {
+                        vdp_product(sa, pairs, rows, sb, pairs * 32, 1, kb, sums.0.as_mut_ptr(), 32);
+                    }
                 }
-                let (lo, hi) = (j0.max(32 * p), j1.min(32 * p + 32));
                 for r in 0..rows {
                     let out = std::slice::from_raw_parts_mut(o.c.add((s + r) * o.ldc + lo - j0), hi - lo);
                     let sr = &sums.0[r * 32 + lo - 32 * p..r * 32 + hi - 32 * p];
@@ -775,6 +782,32 @@ mod x512 {
             }
         }
         std::slice::from_raw_parts_mut(dst.add(m * pairs), (m.next_multiple_of(32) - m) * pairs).fill(0);
+    }
+
+    /// `C[m, 16] = A · B` on `vdpbf16ps` for half a panel: A's rows of pair words (`lda` apart;
+    /// rows up to the next multiple of 8 readable), `kb` pair rows of B's 16 words (a panel's
+    /// rows, 32 words apart), C's `m` rows `ldc` apart. Each element is `gemm_bf16::vdp_product`'s
+    /// chain (from +0, pair after pair), so the bits of the whole panel's product; a rank-16
+    /// operand fills only half of a 32-column panel, which the whole-panel kernel computes anyway.
+    ///
+    /// # Safety
+    /// AVX512_BF16; the extents.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn vdp_half(a: *const u32, lda: usize, m: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
+        const R: usize = 8;
+        for i in (0..m).step_by(R) {
+            let mut acc = [_mm512_setzero_ps(); R];
+            for q in 0..kb {
+                let bv: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * 32) as *const _));
+                for (r, s) in acc.iter_mut().enumerate() {
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add((i + r) * lda + q) as i32));
+                    *s = _mm512_dpbf16_ps(*s, bv, av);
+                }
+            }
+            for (r, s) in acc.iter().enumerate().take(m - i) {
+                _mm512_storeu_ps(c.add((i + r) * ldc), *s);
+            }
+        }
     }
 }
 
