@@ -187,7 +187,8 @@ fn decode_bf16(c: &mut Criterion) {
 }
 
 /// The LoRA delta and gradients (rank 16, 8 × 512 rows) on the q, gate (a column slice of the
-/// fused gate_up output) and down shapes; throughput in FLOP (2 products forward, 5 backward).
+/// fused gate_up output) and down shapes, in f32 and on bf16 operands; throughput in FLOP (2
+/// products forward, 5 backward).
 fn lora_products(c: &mut Criterion) {
     use infomem_engine::backend::cpu::lora;
     let mut g = c.benchmark_group("lora");
@@ -202,6 +203,12 @@ fn lora_products(c: &mut Criterion) {
         g.bench_function(format!("forward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
         g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx), None)));
+        // `--dtype bf16`'s: bf16 operands, f32 sums (AMX tiles, else `vdpbf16ps`, else the f32
+        // kernel on rounded values: `lora::products_bf`)
+        g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
+        g.bench_function(format!("forward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bf16(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
+        g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
+        g.bench_function(format!("backward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd_bf16(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx))));
     }
     g.finish();
 }
