@@ -21,10 +21,12 @@
 //! `--dtype bf16` (`lora_bf16`, `lora_bwd_bf16`, the fused ops) every one of them reads bf16
 //! operands and sums in f32, as CUDA's (`products_bf`, below): on AMX a tile product per 32-row
 //! strip and 32-column panel (without AMX, the `vdpbf16ps` kernel on the same operands where
-//! AVX512_BF16 is, else the f32 kernel on rounded values), B rounded once (`BfB`; A's and B's kept in their `CpuBuf`s,
-//! `Shadow`), the m-reductions (dA, dB) with the block's rows as B's pairs. Measured on a 2-core
-//! Xeon (2026-12-05, alternated with the f32-product binary): `bench --work train --dtype bf16`
-//! +5–9 %, decode with a rank-16 adapter +10 % (the f32 `lora_few` it replaces).
+//! AVX512_BF16 is, else the f32 kernel on rounded values), B rounded once (`BfB`; A's and B's
+//! kept in their `CpuBuf`s, `Shadow`), the m-reductions (dA, dB) with the block's rows as B's
+//! pairs. Measured on a 2-core Xeon with AMX (2026-12-05, alternated with the f32-product
+//! binary): `bench --work train --dtype bf16` +5–9 %, decode with a rank-16 adapter +10 % (the
+//! f32 `lora_few` it replaces); without AMX (`INFOMEM_AMX=0`) that train step is ~3 % behind the
+//! f32 products (docs/RESULTS.md).
 use super::gemm_bf16::{f32_to_bf16_bits, matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, Line, PackedBf16, Tail, TailU, Tiles};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
@@ -466,8 +468,9 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
 // sums in f32: the policy of the CUDA backend, whose LoRA GEMMs read the bf16 shadows of A and B
 // and round u and du to bf16 (`src/backend/cuda/gemm.rs`). The masters, gradients and AdamW
 // moments stay f32. On AMX the products run on tiles (`tdpbf16ps`); in f32 they took ~18 % of a
-// bf16 training step on a 2-core Xeon, at a sixteenth of the tiles' rate. Elsewhere they run
-// `product` on the rounded values (exact products, one f32 FMA chain per element).
+// bf16 training step on a 2-core Xeon, at a sixteenth of the tiles' rate. Without AMX they run on
+// `vdpbf16ps` with the same operands, and without AVX512_BF16 `product` on the rounded values
+// (exact products, one f32 FMA chain per element).
 
 /// `buf` holding at least `words` words (grown only; the contents are the caller's to write).
 fn reserve(buf: &mut Vec<Line>, words: usize) -> *mut u32 {
@@ -478,8 +481,8 @@ fn reserve(buf: &mut Vec<Line>, words: usize) -> *mut u32 {
 }
 
 thread_local! {
-    /// The calling thread's A operand of `product_bf`: pair words on AMX, else the rounded
-    /// values as f32 (reused across calls).
+    /// The calling thread's A operand of `product_bf`: pair words (AMX, `vdpbf16ps`), else the
+    /// rounded values as f32 (reused across calls).
     static A_WORDS: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -615,8 +618,9 @@ pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usi
 
 /// `products_bf` on pair words (A converted into `buf`): per 32-row strip and 32-column panel,
 /// the block's sums on AMX tiles, else on the `vdpbf16ps` kernel (`gemm_bf16::vdp_product`, or
-/// `vdp_half` for a half panel: the strip's rows and B's pairs only), then scaled into C. Without AMX this replaced the f32 kernel on rounded
-/// values, whose extra rounding pass had cost a `vdpbf16ps` training step ~7 %.
+/// `vdp_half` for a half panel: the strip's rows and B's pairs only), then scaled into C. Without
+/// AMX this replaced the f32 kernel after a scalar rounding pass, which had cost a `vdpbf16ps`
+/// training step ~5 %.
 ///
 /// # Safety
 /// As `products_bf`; AMX or AVX512_BF16 is available (`pair_words`).
@@ -1076,8 +1080,8 @@ mod tests {
         check_against_f64("lora", lora, |x, a, b, s, m, k, r, n, dy, c, ld, da, db, dx| lora_bwd(x, a, b, s, m, k, r, n, dy, c, ld, da, db, dx, None), |v| v, 1e-5, 21);
     }
 
-    /// The bf16-operand ops (`lora_bf16`, `lora_bwd_bf16`; AMX where present, else the f32 kernel
-    /// on rounded values) against the reference on bf16-rounded operands, u and du rounded where
+    /// The bf16-operand ops (`lora_bf16`, `lora_bwd_bf16`; AMX where present, else `vdpbf16ps`,
+    /// else the f32 kernel on rounded values) against the reference on bf16-rounded operands, u and du rounded where
     /// the next product reads them: what is left is f32 summation (and a rare bf16 rounding of u
     /// or du that f32 sums tip the other way), so the bound is 1e-4 in norm, where an unrounded
     /// operand alone is ~2e-3 and a wrong index O(1).
