@@ -60,7 +60,7 @@ pub struct ModelArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
-    /// Weight storage: f32, or bf16 (rounded once at load; products accumulate in f32; activations, norms and LoRA stay f32). Default: f32 on the CPU, bf16 on CUDA (its only mode).
+    /// Weight storage: f32, or bf16 (rounded once at load; products sum in f32; the residual stream, norms, LoRA masters, gradients and optimizer state stay f32: docs/DESIGN.md §3). Default: f32 on the CPU, bf16 on CUDA (its only mode).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
 }

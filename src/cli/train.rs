@@ -93,7 +93,7 @@ pub struct TrainArgs {
     /// Compute backend (`cuda` needs a build with `--features cuda` and an sm_90 GPU).
     #[arg(long, value_enum, default_value_t = super::BackendKind::Cpu)]
     pub backend: super::BackendKind,
-    /// Weight storage: f32 or bf16 (rounded once; f32 accumulation; LoRA, gradients and optimizer state f32). Saved with the run: a resume keeps it. Default f32 (bf16 on CUDA).
+    /// Weight storage: f32 or bf16 (rounded once; f32 accumulation; LoRA masters, gradients and optimizer state f32: docs/DESIGN.md §3). Saved with the run: a resume keeps it. Default f32 (bf16 on CUDA).
     #[arg(long, value_enum)]
     pub dtype: Option<super::DtypeArg>,
     /// Training data JSONL.
