@@ -225,6 +225,11 @@ fn batch_file_errors() {
 // Whole model: central finite differences of the full LoRA gradient
 
 fn random_model(arch: &str, seed: u64) -> Model<CpuBackend> {
+    random_model_on(arch, seed, CpuBackend::new())
+}
+
+/// `random_model` on a given CPU backend (f32 or bf16 weights).
+fn random_model_on(arch: &str, seed: u64, backend: CpuBackend) -> Model<CpuBackend> {
     let cfg = ModelConfig::from_json(&json!({
         "model_type": arch, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         // Qwen3: head_dim 12, so q (48 wide) is wider than hidden (32), as in Qwen3-4B
@@ -260,7 +265,7 @@ fn random_model(arch: &str, seed: u64) -> Model<CpuBackend> {
     let embed = t(vec![cfg.vocab, d], 1.0);
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(t(vec![cfg.vocab, d], 2.0 / (d as f64).sqrt())) };
     let w = ModelWeights { embed, layers, final_norm: norm(&mut nrng), lm_head };
-    let mut model = Model::from_weights(cfg.clone(), w, None, CpuBackend::new(), Path::new("random-tiny")).unwrap();
+    let mut model = Model::from_weights(cfg.clone(), w, None, backend, Path::new("random-tiny")).unwrap();
     let mut ad = LoraAdapter::init(&cfg, 4, 8.0, &ALL_PROJS, seed + 2);
     let mut brng = Rng::new(seed + 3);
     for pair in ad.layers.iter_mut().flatten().flatten() {
@@ -746,6 +751,48 @@ fn optimizer_step_lowers_the_loss() {
     let lora = model.lora.as_ref().unwrap();
     let (a, _) = lora.layers[0][0].as_ref().unwrap();
     assert_eq!(a, &lora.host.layers[0][0].as_ref().unwrap().a.data);
+}
+
+/// The training pass takes the buffers it keeps per layer from `TrainBackend::scratch`
+/// (uninitialized memory on the CPU), promising that an op writes each whole before it is read.
+/// With every scratch buffer NaN-filled (`poison_scratch`) the log-probs and gradients must be
+/// finite and bit for bit those of the uninitialized run, for f32 and bf16 weights, every layer
+/// kept or only the top one (the rest recomputed).
+#[test]
+fn scratch_buffers_are_written_before_they_are_read() {
+    use infomem_engine::backend::cpu::{poison_scratch, WeightDtype};
+    use infomem_engine::runtime::backward::policy_grads_keeping;
+    for (arch, dtype) in [("qwen2", WeightDtype::F32), ("qwen3", WeightDtype::F32), ("llama", WeightDtype::Bf16), ("qwen2", WeightDtype::Bf16)] {
+        let model = random_model_on(arch, 23, CpuBackend::with_weights(dtype));
+        let (convs, _) = fd_batch(&model, 9);
+        let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();
+        let run = |keep: usize, poison: bool| {
+            let was = poison_scratch(poison);
+            let out = policy_grads_keeping(&model, &seqs, keep, |s| {
+                let g = s.logprobs.iter().map(|v| (0..v.len()).map(|t| 0.3 + 0.1 * t as f32).collect()).collect();
+                Ok((s.logprobs.clone(), g))
+            })
+            .unwrap();
+            poison_scratch(was);
+            out
+        };
+        for keep in [1, 99] {
+            let (lp0, g0) = run(keep, false);
+            let (lp, g) = run(keep, true);
+            assert!(lp.iter().flatten().all(|v| v.is_finite()), "{arch} {dtype:?} keep {keep}: non-finite log-probs with NaN-filled scratch");
+            assert_eq!(lp, lp0, "{arch} {dtype:?} keep {keep}: log-probs differ with NaN-filled scratch");
+            for (l, (ra, rb)) in g.layers.iter().zip(&g0.layers).enumerate() {
+                for p in ALL_PROJS {
+                    let (a, b) = (ra[p.index()].as_ref().unwrap(), rb[p.index()].as_ref().unwrap());
+                    for (x, y) in [(&a.0, &b.0), (&a.1, &b.1)] {
+                        assert!(x.iter().all(|v| v.is_finite()), "{arch} {dtype:?} keep {keep}: layer {l} {}: non-finite gradient with NaN-filled scratch", p.module());
+                        let ndiff = x.iter().zip(y.iter()).filter(|(u, v)| u.to_bits() != v.to_bits()).count();
+                        assert_eq!(ndiff, 0, "{arch} {dtype:?} keep {keep}: layer {l} {}: {ndiff} of {} gradient entries differ with NaN-filled scratch", p.module(), x.len());
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Keeping a layer's activations from the forward instead of recomputing them in the backward

@@ -205,16 +205,20 @@ impl<B: TrainBackend> Acts<B> {
     fn new(model: &Model<B>, n: usize) -> Result<Self> {
         let c = &model.cfg;
         let be = &model.be;
+        // Safety: `layer_fwd_inner` writes each whole before it reads it (the norms, products,
+        // attention and SwiGLU in order; `o` by the o and down products), and the backward's
+        // kept layers write h1, h2 and act again before use
+        let s = |n: usize| unsafe { be.scratch(n) };
         Ok(Acts {
-            h1: be.zeros(n * c.hidden)?,
-            qkv_pre: if c.qk_norm { Some(be.zeros(n * (c.q_dim() + 2 * c.kv_dim()))?) } else { None },
-            qkv: be.zeros(n * (c.q_dim() + 2 * c.kv_dim()))?,
-            att: be.zeros(n * c.q_dim())?,
-            lse: be.zeros(n * c.n_heads)?,
-            o: be.zeros(n * c.hidden)?,
-            h2: be.zeros(n * c.hidden)?,
-            gu: be.zeros(n * 2 * c.intermediate)?,
-            act: be.zeros(n * c.intermediate)?,
+            h1: s(n * c.hidden)?,
+            qkv_pre: if c.qk_norm { Some(s(n * (c.q_dim() + 2 * c.kv_dim()))?) } else { None },
+            qkv: s(n * (c.q_dim() + 2 * c.kv_dim()))?,
+            att: s(n * c.q_dim())?,
+            lse: s(n * c.n_heads)?,
+            o: s(n * c.hidden)?,
+            h2: s(n * c.hidden)?,
+            gu: s(n * 2 * c.intermediate)?,
+            act: s(n * c.intermediate)?,
         })
     }
 }
@@ -500,17 +504,26 @@ fn grads_inner<B: TrainBackend, S>(
     let keeps = |l: usize| l + n_keep >= c.n_layers;
     let mut saved: Vec<B::Buf> = Vec::with_capacity(c.n_layers);
     let mut kept: Vec<Option<Kept<B>>> = (0..c.n_layers).map(|_| None).collect();
+    // The buffers kept per layer come from `scratch`, not `zeros`: each is written whole before it
+    // is read (noted at each), so zeroing them was wasted (`tests/grpo_grad.rs` runs this with
+    // NaN-filled scratch and checks the bits).
     for l in 0..c.n_layers {
-        let mut keep = be.zeros(n * d)?;
+        // Safety: `copy` writes it whole
+        let mut keep = unsafe { be.scratch(n * d)? };
         be.copy(&x, &mut keep)?;
         saved.push(keep);
         let slot = if keeps(l) { 1 + l } else { 0 };
         prof::time("train_merge", || merged.merge(model, Policy::Current, l, slot))?;
         let w = merged.get(model, l, slot);
         if keeps(l) {
-            let mut xm = be.zeros(n * d)?;
+            // Safety: `layer_fwd_inner` copies the residual into it whole
+            let mut xm = unsafe { be.scratch(n * d)? };
             layer_fwd_inner(model, &w, &batch, &mut x, &mut acts, true, Some(&mut xm))?;
-            let take = |b: &mut B::Buf| -> Result<B::Buf> { Ok(std::mem::replace(b, be.zeros(be.len(b))?)) };
+            // Safety: the buffers put in place of the kept ones are written whole before they are
+            // read, by the next layer's forward or the backward's recompute (qkv and gu by their
+            // products, qkv_pre by `copy`, att and lse by `attn_dense`), or dropped unread (the
+            // backward puts the kept ones back)
+            let take = |b: &mut B::Buf| -> Result<B::Buf> { Ok(std::mem::replace(b, unsafe { be.scratch(be.len(b))? })) };
             let qkv_pre = match acts.qkv_pre.as_mut() {
                 Some(p) => Some(take(p)?),
                 None => None,
@@ -547,11 +560,10 @@ fn grads_inner<B: TrainBackend, S>(
     drop(dsel);
 
     // ---- backward, layer by layer, recomputing each layer from its input residual ----
-    let mut dact = be.zeros(n * inter)?;
-    let mut dgu = be.zeros(n * 2 * inter)?;
-    let mut dhid = be.zeros(n * d)?;
-    let mut datt = be.zeros(n * q_dim)?;
-    let mut dqkv = be.zeros(n * qkv_dim)?;
+    // Safety: per layer each is written whole before it is read: dact, dhid and datt by their
+    // products (`accumulate` false), dgu by `swiglu_bwd`, dqkv by `attn_dense_bwd`; below layer
+    // 0 dhid is neither written nor read
+    let (mut dact, mut dgu, mut dhid, mut datt, mut dqkv) = unsafe { (be.scratch(n * inter)?, be.scratch(n * 2 * inter)?, be.scratch(n * d)?, be.scratch(n * q_dim)?, be.scratch(n * qkv_dim)?) };
     let xm = &mut x; // reused: the recomputed residual after attention
     for l in (0..c.n_layers).rev() {
         let xin = saved.pop().expect("one saved residual per layer");

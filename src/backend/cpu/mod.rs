@@ -278,7 +278,31 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Whether `scratch` fills its buffers with NaN (see `poison_scratch`).
+static POISON_SCRATCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(cfg!(debug_assertions));
+
+/// Make every later `TrainBackend::scratch` buffer NaN-filled (`true`) or uninitialized (`false`;
+/// the release default). A test hook: with NaN in every element an op did not write, a result
+/// that reads one first is NaN or differs in its bits from the uninitialized run's. Returns the
+/// previous setting (debug builds start with `true`).
+pub fn poison_scratch(on: bool) -> bool {
+    POISON_SCRATCH.swap(on, std::sync::atomic::Ordering::Relaxed)
+}
+
 impl TrainBackend for CpuBackend {
+    /// Uninitialized memory from the allocator (NaN under `poison_scratch`): a buffer reused
+    /// from the heap is not zeroed first, and a fresh one is zero pages either way.
+    unsafe fn scratch(&self, n: usize) -> Result<CpuBuf> {
+        if POISON_SCRATCH.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(vec![f32::NAN; n].into());
+        }
+        let mut v = Vec::with_capacity(n);
+        // Safety: the capacity holds n f32; the caller writes every element before reading any
+        // (the trait's contract), and f32 has no invalid bit patterns to drop
+        v.set_len(n);
+        Ok(v.into())
+    }
+
     fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
         ensure!(src.elems() == dst.elems() && dst.bf16().is_none(), "copy: {} elements into a buffer of {}", src.elems(), dst.elems());
         match src.bf16() {
