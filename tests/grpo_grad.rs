@@ -760,38 +760,12 @@ fn optimizer_step_lowers_the_loss() {
 /// kept or only the top one (the rest recomputed).
 #[test]
 fn scratch_buffers_are_written_before_they_are_read() {
-    use infomem_engine::backend::cpu::{poison_scratch, WeightDtype};
-    use infomem_engine::runtime::backward::policy_grads_keeping;
+    use infomem_engine::backend::cpu::WeightDtype;
     for (arch, dtype) in [("qwen2", WeightDtype::F32), ("qwen3", WeightDtype::F32), ("llama", WeightDtype::Bf16), ("qwen2", WeightDtype::Bf16)] {
         let model = random_model_on(arch, 23, CpuBackend::with_weights(dtype));
         let (convs, _) = fd_batch(&model, 9);
         let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();
-        let run = |keep: usize, poison: bool| {
-            let was = poison_scratch(poison);
-            let out = policy_grads_keeping(&model, &seqs, keep, |s| {
-                let g = s.logprobs.iter().map(|v| (0..v.len()).map(|t| 0.3 + 0.1 * t as f32).collect()).collect();
-                Ok((s.logprobs.clone(), g))
-            })
-            .unwrap();
-            poison_scratch(was);
-            out
-        };
-        for keep in [1, 99] {
-            let (lp0, g0) = run(keep, false);
-            let (lp, g) = run(keep, true);
-            assert!(lp.iter().flatten().all(|v| v.is_finite()), "{arch} {dtype:?} keep {keep}: non-finite log-probs with NaN-filled scratch");
-            assert_eq!(lp, lp0, "{arch} {dtype:?} keep {keep}: log-probs differ with NaN-filled scratch");
-            for (l, (ra, rb)) in g.layers.iter().zip(&g0.layers).enumerate() {
-                for p in ALL_PROJS {
-                    let (a, b) = (ra[p.index()].as_ref().unwrap(), rb[p.index()].as_ref().unwrap());
-                    for (x, y) in [(&a.0, &b.0), (&a.1, &b.1)] {
-                        assert!(x.iter().all(|v| v.is_finite()), "{arch} {dtype:?} keep {keep}: layer {l} {}: non-finite gradient with NaN-filled scratch", p.module());
-                        let ndiff = x.iter().zip(y.iter()).filter(|(u, v)| u.to_bits() != v.to_bits()).count();
-                        assert_eq!(ndiff, 0, "{arch} {dtype:?} keep {keep}: layer {l} {}: {ndiff} of {} gradient entries differ with NaN-filled scratch", p.module(), x.len());
-                    }
-                }
-            }
-        }
+        common::assert_scratch_unread(&model, &seqs, &format!("{arch} {dtype:?}"));
     }
 }
 

@@ -162,3 +162,41 @@ pub fn tiny_with_tokenizer(arch: &str) -> (tempfile::TempDir, PathBuf) {
     std::fs::copy(fixtures().join("smollm2-hf-meta/chat_template.jinja"), d.join("chat_template.jinja")).unwrap();
     (t, d)
 }
+
+/// The training pass of `model` on `seqs` with every `TrainBackend::scratch` buffer NaN-filled
+/// (`poison_scratch`) against uninitialized, 1 layer kept and all kept: the log-probs and LoRA
+/// gradients must be finite, bit for bit equal, and not all zero. `label` names the case.
+pub fn assert_scratch_unread(model: &Model<CpuBackend>, seqs: &[infomem_engine::runtime::backward::TrainSeq], label: &str) {
+    use infomem_engine::backend::cpu::poison_scratch;
+    use infomem_engine::model::lora::ALL_PROJS;
+    use infomem_engine::runtime::backward::policy_grads_keeping;
+    let run = |keep: usize, poison: bool| {
+        let was = poison_scratch(poison);
+        let out = policy_grads_keeping(model, seqs, keep, |s| {
+            let g = s.logprobs.iter().map(|v| (0..v.len()).map(|t| 0.3 + 0.1 * t as f32).collect()).collect();
+            Ok((s.logprobs.clone(), g))
+        })
+        .unwrap();
+        poison_scratch(was);
+        out
+    };
+    for keep in [1, 99] {
+        let (lp0, g0) = run(keep, false);
+        let (lp, g) = run(keep, true);
+        assert!(lp.iter().flatten().all(|v| v.is_finite()), "{label} keep {keep}: non-finite log-probs with NaN-filled scratch");
+        assert_eq!(lp, lp0, "{label} keep {keep}: log-probs differ with NaN-filled scratch");
+        let mut nonzero = 0;
+        for (l, (ra, rb)) in g.layers.iter().zip(&g0.layers).enumerate() {
+            for p in ALL_PROJS {
+                let (a, b) = (ra[p.index()].as_ref().unwrap(), rb[p.index()].as_ref().unwrap());
+                for (x, y) in [(&a.0, &b.0), (&a.1, &b.1)] {
+                    assert!(x.iter().all(|v| v.is_finite()), "{label} keep {keep}: layer {l} {}: non-finite gradient with NaN-filled scratch", p.module());
+                    let ndiff = x.iter().zip(y.iter()).filter(|(u, v)| u.to_bits() != v.to_bits()).count();
+                    assert_eq!(ndiff, 0, "{label} keep {keep}: layer {l} {}: {ndiff} of {} gradient entries differ with NaN-filled scratch", p.module(), x.len());
+                    nonzero += x.iter().filter(|v| **v != 0.0).count();
+                }
+            }
+        }
+        assert!(nonzero > 0, "{label} keep {keep}: every gradient is zero");
+    }
+}
