@@ -215,12 +215,12 @@ mod avx {
     }
 }
 
-const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
-const EXP_HI: f32 = 88.0;
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const EXP_C1: f32 = 0.693_359_4;
-const EXP_C2: f32 = -2.121_944_4e-4;
-const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+pub(crate) const EXP_LO: f32 = -87.336_54; // [-87.3, 88]: 2^fx stays a normal float (inputs here are ≤ 0 after max subtraction)
+pub(crate) const EXP_HI: f32 = 88.0;
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(crate) const EXP_C1: f32 = 0.693_359_4;
+pub(crate) const EXP_C2: f32 = -2.121_944_4e-4;
+pub(crate) const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
 
 /// exp of one lane (Cephes expf: range reduction by ln 2, degree-5 polynomial, exponent bits).
 /// The 8-lane AVX2 path below performs exactly these operations in this order (no fused
@@ -239,8 +239,9 @@ fn exp_lane(x: f32) -> f32 {
     y * e
 }
 
-/// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the bf16 attention's
-/// softmax and backward passes, `attention_bf16`). Callers must have AVX-512F (checked at run time there).
+/// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the f32 softmax and
+/// SiLU paths, whose scalar twins give the same bits; the bf16 attention has its own fused exp,
+/// `attention_bf16::x512::exp`). Callers must have AVX-512F (checked at run time).
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
