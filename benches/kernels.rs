@@ -210,6 +210,25 @@ fn lora_products(c: &mut Criterion) {
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
         g.bench_function(format!("backward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd_bf16(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx))));
     }
+    // A training backward's input gradient with its pairs' gradients, one op (`dy·W` with the
+    // pairs fused, as `TrainBackend::matmul_dx_lora` runs it under `--dtype bf16`): q/k/v and
+    // gate/up; throughput in the GEMM's FLOP.
+    for &(name, k, outs) in &[("qkv", 576usize, &[576usize, 192, 192][..]), ("gate_up", 576, &[1536, 1536][..])] {
+        let n: usize = outs.iter().sum();
+        let (x, w, dy) = (data(m * k, 1), data(n * k, 2), data(m * n, 3));
+        let pw = PackedBf16::from_f32(&w, n, k);
+        let ab: Vec<(Vec<f32>, Vec<f32>)> = outs.iter().map(|&no| (data(r * k, 4), data(no * r, 5))).collect();
+        let pairs: Vec<lora::Pair> = outs.iter().scan(0, |c, &no| Some(std::mem::replace(c, *c + no))).zip(outs).zip(&ab).map(|((c0, &no), (a, b))| lora::Pair::new(a, b, 2.0, r, c0, no)).collect();
+        let mut grads: Vec<(Vec<f32>, Vec<f32>)> = outs.iter().map(|&no| (vec![0f32; r * k], vec![0f32; no * r])).collect();
+        let mut dx = vec![0f32; m * k];
+        g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        g.bench_function(format!("dy·W + pairs' backward bf16 {name} {m}x{n}→{k} r{r}"), |bch| {
+            bch.iter(|| {
+                let mut gr: Vec<(&mut [f32], &mut [f32])> = grads.iter_mut().map(|(a, b)| (&mut a[..], &mut b[..])).collect();
+                lora::matmul_dx_lora(&dy, &pw, m, n, k, &mut dx, &x, &pairs, &mut gr)
+            })
+        });
+    }
     g.finish();
 }
 

@@ -29,11 +29,14 @@
 //! reads one or two panel streams. Every weight byte is read from memory once per call. Tasks
 //! (runs of panels × row ranges, ~4 per thread) go to rayon; decode (one strip) splits columns.
 //!
-//! **`dy · W`** needs pairs along n instead. A second packed copy would double the weight memory,
-//! so each task repacks, per k block of this product (pairs of W's rows), its run of output
-//! panels from the forward layout into the same panel format (a shuffle of bf16 words, no
-//! rounding: ≤ 512 KiB of thread-local scratch, O(n·k) per call against O(m·n·k) products) and
-//! runs the same kernel. Small m pays the repack on each call (the backward has many rows).
+//! **`dy · W`** needs pairs along n instead. A second packed copy kept with the weight would
+//! double its memory, so each call repacks W, every k block of this product (pairs of W's rows)
+//! and output panel, from the forward layout into the same block-major panel format (a shuffle
+//! of bf16 words, no rounding; in parallel, into the calling thread's scratch, 2·n·k bytes: 3.5
+//! MiB for SmolLM2's gate/up; O(n·k) per call against O(m·n·k) products), and the tasks run the
+//! same kernel on it. Repacking per task instead repeated it for every row group (~4× at 4096
+//! rows: ~9 % of gate/up's `dy W`). Small m pays the repack on each call (the backward has many
+//! rows).
 //!
 //! **Determinism.** Every output element has its own f32 accumulator lane and is computed by the
 //! same sequence of operations whatever m, its row's position, the thread count, the task split
@@ -646,15 +649,43 @@ pub fn matmul_dx_bf16_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: us
 /// As `matmul_bf16_tails`, with `dy` for `x`, `dx` for `out` and `k` for `n`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool, kernel: Kernel, parallel: bool, tails: &[Tail]) {
+    matmul_dx_bf16_hooked(dy, w, m, n, k, dx, accumulate, kernel, parallel, tails, None)
+}
+
+/// Work on `dy`'s rows while they are in cache: `f(row0, rows, convert)` is called once for each
+/// piece of `rows` rows of `dy` (`row0` a multiple of `piece`, the last piece possibly shorter,
+/// pieces in parallel), before any product reads them — so before the tails of those rows run,
+/// which may read what `f` wrote. `f` converts the piece itself, part by part (`convert(row,
+/// n)`, rows `row..row + n`, `row` a multiple of 32), each part right before its own work on it:
+/// a whole piece (256 rows of gate/up's dy: 3 MiB) would leave L2 before `f` read it back.
+pub(crate) struct RowHook<'a> {
+    pub(crate) f: &'a RowFn<'a>,
+    /// rows per piece: a multiple of 32 (the AMX strips)
+    pub(crate) piece: usize,
+}
+
+/// A `RowHook`'s work: `f(row0, rows, convert)`.
+pub(crate) type RowFn<'a> = dyn Fn(usize, usize, &dyn Fn(usize, usize)) + Sync + 'a;
+
+/// `matmul_dx_bf16_tails` with a `RowHook` run during A's conversion (the LoRA backward's
+/// per-chunk products, `lora::matmul_dx_lora`).
+///
+/// # Safety
+/// As `matmul_dx_bf16_tails`; what the tails read of the hook's output is written by the hook
+/// for the same rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_dx_bf16_hooked(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], accumulate: bool, kernel: Kernel, parallel: bool, tails: &[Tail], hook: Option<&RowHook>) {
+    assert!(hook.is_none_or(|h| h.piece > 0 && h.piece.is_multiple_of(AMX_MR)), "matmul_dx_bf16: a row hook's pieces must be whole AMX strips");
     assert!(w.n == n && w.k == k, "matmul_dx_bf16: weight packed as [{}, {}], product wants [{n}, {k}]", w.n, w.k);
     assert!(tails.iter().all(|t| t.col0 + t.ncols <= k) && (tails.is_empty() || n > 0), "matmul_dx_bf16: a tail outside dx, or with n = 0");
     assert!(dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_bf16: buffer too small");
-    if m == 0 || k == 0 {
-        return;
-    }
-    if n == 0 {
-        if !accumulate {
+    if m == 0 || k == 0 || n == 0 {
+        if n == 0 && !accumulate {
             dx[..m * k].fill(0.0);
+        }
+        // the hook still sees every row (its products need not be empty); nothing to convert
+        if let Some(h) = hook {
+            (0..m).step_by(h.piece).for_each(|r0| (h.f)(r0, h.piece.min(m - r0), &|_, _| {}));
         }
         return;
     }
@@ -675,6 +706,7 @@ pub(crate) unsafe fn matmul_dx_bf16_tails(dy: &[f32], w: &PackedBf16, m: usize, 
         micro: kernel.micro(pairs, k_block_pairs(pairs)),
         tails,
         tail_u: None,
+        hook,
         glu: SendPtr(std::ptr::null_mut()),
     };
     job.run(parallel);
@@ -735,6 +767,8 @@ struct Job<'a> {
     tails: &'a [Tail],
     /// computed per converted piece of rows, for the tails
     tail_u: Option<&'a TailU>,
+    /// called per converted piece of rows (`RowHook`)
+    hook: Option<&'a RowHook<'a>>,
     /// SwiGLU fused (`matmul_swiglu_bf16_tails`): C is not written; `act [m, cols / 2]` gets
     /// `silu(C[:, j]) · C[:, cols / 2 + j]`. Null otherwise.
     glu: SendPtr<f32>,
@@ -746,7 +780,7 @@ thread_local! {
     static CONVERTED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
     /// The smallest `bf16_exp` of each row of the calling thread's converted A (AVX2 kernel).
     static ROW_EXP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-    /// A task thread's repacked panels of `dy W`.
+    /// The calling thread's repacked panels of `dy W` (reused across calls).
     static REPACK: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -770,6 +804,7 @@ impl<'a> Job<'a> {
             micro: Kernel::Auto.micro(w.pairs, w.kc),
             tails,
             tail_u,
+            hook: None,
             glu: SendPtr(std::ptr::null_mut()),
         }
     }
@@ -801,7 +836,12 @@ impl<'a> Job<'a> {
         // kernel reads strips of AMX_MR rows: the batch's last strip is padded with zero rows.
         let mr = if self.micro == Micro::Amx { AMX_MR } else { MR };
         let (lda, wide) = (self.lda(), self.wide());
-        let batch = self.m.min((CONVERTED_BYTES / (lda * 4) / mr).max(1) * mr);
+        let mut batch = self.m.min((CONVERTED_BYTES / (lda * 4) / mr).max(1) * mr);
+        // pieces of the conversion: a hook's, so batches are whole pieces of it
+        let piece_rows = self.hook.map_or(CONVERT_ROWS, |h| h.piece);
+        if self.hook.is_some() && batch < self.m {
+            batch = (batch / piece_rows).max(1) * piece_rows;
+        }
         let mut conv = CONVERTED.with(|s| std::mem::take(&mut *s.borrow_mut()));
         if conv.len() * 16 < batch.next_multiple_of(mr) * lda {
             conv.resize((batch.next_multiple_of(mr) * lda).div_ceil(16), Line([0; 16])); // grown only: every row used is written first
@@ -812,10 +852,37 @@ impl<'a> Job<'a> {
         }
         let cp = SendPtr(conv.as_mut_ptr() as *mut u32);
         let ep = SendPtr(exps.as_mut_ptr());
+        // dy·W: Wᵀ's panels repacked once per call for every task (each task repacked its own,
+        // so every row group repeated the whole repack: ~4× at 4096 rows, ~10 % of `dy·W` for
+        // gate/up's shape in `perf`)
+        let mut repacked = Vec::new();
+        if let Source::Transposed(w) = self.src {
+            repacked = REPACK.with(|s| std::mem::take(&mut *s.borrow_mut()));
+            let words = self.pairs * self.panels * NR; // every k block's panels, as PackedBf16 lays them out
+            if repacked.len() * 16 < words {
+                repacked.resize(words.div_ceil(16), Line([0; 16])); // grown only: every word is written below
+            }
+            let (d, blocks) = (SendPtr(repacked.as_mut_ptr() as *mut u32), self.pairs.div_ceil(self.kc));
+            let per = 4; // panels per piece
+            let pieces = self.panels.div_ceil(per);
+            let piece = |t: usize| {
+                let (b, p0) = (t / pieces, t % pieces * per);
+                let (q0, p1) = (b * self.kc, (p0 + per).min(self.panels));
+                let kb = self.kc.min(self.pairs - q0);
+                // Safety: block b's panels p0..p1 are the disjoint words [off, off + (p1 − p0)·kb·NR) of `repacked`
+                unsafe { repack_dx(w, p0, p1, q0, kb, d.get().add(q0 * self.panels * NR + p0 * kb * NR)) };
+            };
+            if threads > 1 {
+                (0..blocks * pieces).into_par_iter().for_each(piece);
+            } else {
+                (0..blocks * pieces).for_each(piece);
+            }
+        }
+        let rp = SendPtr(repacked.as_mut_ptr() as *mut u32);
         for rb in (0..self.m).step_by(batch) {
             let rows = batch.min(self.m - rb);
-            let convert = |piece: usize| {
-                let (i0, i1) = (piece * CONVERT_ROWS, ((piece + 1) * CONVERT_ROWS).min(rows));
+            // rows i0..i1 of the batch (i0 a multiple of AMX_MR)
+            let convert_rows = |i0: usize, i1: usize| {
                 // Safety: rows rb+i0..rb+i1 of A exist; pieces write disjoint rows of `conv`.
                 unsafe {
                     let rows_f32 = self.a.get().add((rb + i0) * self.red);
@@ -833,7 +900,19 @@ impl<'a> Job<'a> {
                     }
                 }
             };
-            let pieces = rows.div_ceil(CONVERT_ROWS);
+            let convert = |piece: usize| {
+                let (i0, i1) = (piece * piece_rows, ((piece + 1) * piece_rows).min(rows));
+                let Some(h) = self.hook else { return convert_rows(i0, i1) };
+                // the hook converts the piece's rows itself, a part at a time, each before its work
+                let done = std::cell::Cell::new(0);
+                (h.f)(rb + i0, i1 - i0, &|a: usize, n: usize| {
+                    assert!(a >= rb + i0 && a + n <= rb + i1 && (a - rb).is_multiple_of(AMX_MR), "matmul_dx_bf16: a row hook converted rows {a}..{} outside its piece", a + n);
+                    convert_rows(a - rb, a - rb + n);
+                    done.set(done.get() + n);
+                });
+                assert!(done.get() == i1 - i0, "matmul_dx_bf16: a row hook converted {} of its {} rows", done.get(), i1 - i0);
+            };
+            let pieces = rows.div_ceil(piece_rows);
             if threads > 1 && pieces > 1 {
                 (0..pieces).into_par_iter().for_each(convert);
             } else {
@@ -847,7 +926,10 @@ impl<'a> Job<'a> {
                     unsafe { std::slice::from_raw_parts_mut(strip.add(g * TILE_STEP + rows % AMX_MR * 16), (AMX_MR - rows % AMX_MR) * 16).fill(0) };
                 }
             }
-            self.run_rows(rb, rows, cp.get(), if wide { ep.get() } else { std::ptr::null_mut() }, threads, mr);
+            self.run_rows(rb, rows, cp.get(), if wide { ep.get() } else { std::ptr::null_mut() }, rp.get(), threads, mr);
+        }
+        if let Source::Transposed(_) = self.src {
+            REPACK.with(|s| *s.borrow_mut() = repacked);
         }
         CONVERTED.with(|s| *s.borrow_mut() = conv);
         if wide {
@@ -856,8 +938,10 @@ impl<'a> Job<'a> {
     }
 
     /// Rows `rb..rb+rows`, converted at `conv` (row stride `lda()`; for the AVX2 kernel their
-    /// smallest exponents at `exps`, else null), split into tasks.
-    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, exps: *const u8, threads: usize, mr: usize) {
+    /// smallest exponents at `exps`, else null), split into tasks; `repacked`: `dy W`'s panels
+    /// (null for `x Wᵀ`).
+    #[allow(clippy::too_many_arguments)]
+    fn run_rows(&self, rb: usize, rows: usize, conv: *const u32, exps: *const u8, repacked: *const u32, threads: usize, mr: usize) {
         // Columns: runs of panels whose k block fits CHUNK_BYTES, equal-sized; decode (one strip)
         // splits into ~4 runs per thread for balance. Fused SwiGLU runs over the gate panels,
         // each with its up panel and every k block.
@@ -884,6 +968,7 @@ impl<'a> Job<'a> {
         let groups = rows.div_ceil(per_group);
         let conv = SendPtr(conv as *mut u32);
         let exps = SendPtr(exps as *mut u8);
+        let repacked = SendPtr(repacked as *mut u32);
         let lda = self.lda();
         let task = |t: usize| {
             let (ci, gi) = (t % chunks, t / chunks);
@@ -891,7 +976,7 @@ impl<'a> Job<'a> {
             let (r0, r1) = (gi * per_group, ((gi + 1) * per_group).min(rows));
             // Safety: tasks write disjoint (row range × column run) tiles of C; every extent was
             // checked against the buffers by the public entry points.
-            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), exps.get().wrapping_add(r0)) } // exps is null (never read) unless wide
+            unsafe { self.task(p0, p1, rb + r0, rb + r1, conv.get().add(r0 * lda), exps.get().wrapping_add(r0), repacked.get()) } // exps is null (never read) unless wide
         };
         let tasks = chunks * groups;
         if threads > 1 && tasks > 1 {
@@ -902,20 +987,22 @@ impl<'a> Job<'a> {
     }
 
     /// Panels `p0..p1` × rows `r0..r1` (converted at `a`, row stride `lda()`; for the AVX2
-    /// kernel the rows' smallest exponents at `exps`), every k block.
-    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32, exps: *const u8) {
+    /// kernel the rows' smallest exponents at `exps`), every k block; `dy W`'s panels at
+    /// `repacked`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn task(&self, p0: usize, p1: usize, r0: usize, r1: usize, a: *const u32, exps: *const u8, repacked: *const u32) {
         #[cfg(target_arch = "x86_64")]
         if !self.glu.get().is_null() {
             return self.task_glu(p0, p1, r0, r1, a);
         }
-        let mut repack = Vec::new();
-        if let Source::Transposed(_) = self.src {
-            repack = REPACK.with(|s| std::mem::take(&mut *s.borrow_mut()));
-            if repack.len() < (p1 - p0) * self.kc * NR / 16 {
-                repack.resize((p1 - p0) * self.kc * NR / 16, Line([0; 16]));
-            }
-        }
         let blocks = self.pairs.div_ceil(self.kc);
+        // panel pn of k block b: the stored one, or the call's repacked one (`run`)
+        let panel = |b: usize, pn: usize| -> *const u32 {
+            match self.src {
+                Source::Forward(w) => w.panel(b, pn),
+                Source::Transposed(_) => repacked.add(b * self.kc * self.panels * NR + pn * self.kc.min(self.pairs - b * self.kc) * NR),
+            }
+        };
         #[cfg(target_arch = "x86_64")]
         if self.micro == Micro::Amx {
             amx::configure();
@@ -923,24 +1010,18 @@ impl<'a> Job<'a> {
         for b in 0..blocks {
             let q0 = b * self.kc;
             let kb = self.kc.min(self.pairs - q0);
-            let panels: *const u32 = match self.src {
-                Source::Forward(w) => w.panel(b, p0),
-                Source::Transposed(w) => {
-                    let d = repack.as_mut_ptr() as *mut u32;
-                    repack_dx(w, p0, p1, q0, kb, d);
-                    d
-                }
-            };
+            let panels = panel(b, p0);
             #[cfg(target_arch = "x86_64")]
             if self.micro == Micro::Amx {
                 // where this task reads after block b: the next block's first panel; after the
                 // last block, the panel after its run, the next task's first (the one a thread
-                // mostly takes next: rayon splits the range in halves). A repacked panel is not
-                // there yet.
-                let next = match self.src {
-                    Source::Forward(w) if b + 1 < blocks => w.panel(b + 1, p0),
-                    Source::Forward(w) if p1 < self.panels => w.panel(b, p1),
-                    _ => std::ptr::null(),
+                // mostly takes next: rayon splits the range in halves)
+                let next = if b + 1 < blocks {
+                    panel(b + 1, p0)
+                } else if p1 < self.panels {
+                    panel(b, p1)
+                } else {
+                    std::ptr::null()
                 };
                 self.block_amx(b, blocks, q0, kb, panels, next, p0, p1, r0, r1, a);
                 continue;
@@ -980,9 +1061,6 @@ impl<'a> Job<'a> {
         #[cfg(target_arch = "x86_64")]
         if self.micro == Micro::Amx {
             amx::release();
-        }
-        if let Source::Transposed(_) = self.src {
-            REPACK.with(|s| *s.borrow_mut() = repack);
         }
     }
 

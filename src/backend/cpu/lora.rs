@@ -16,8 +16,9 @@
 //! how rows were batched either.
 //!
 //! With a bf16 weight the pairs are fused into the projection's GEMM (`matmul_lora`,
-//! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache, and the
-//! pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`). Under
+//! `matmul_dx_lora`): the same products, computed while the GEMM has the rows in cache (x in
+//! the forward, dy in the backward: each read from memory once for the GEMM and the pairs), and
+//! the pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`). Under
 //! `--dtype bf16` (`lora_bf16`, `lora_bwd_bf16`, the fused ops) every one of them reads bf16
 //! operands and sums in f32, as CUDA's (`products_bf`, below): on AMX a tile product per 32-row
 //! strip and 32-column panel (without AMX, the `vdpbf16ps` kernel on the same operands where
@@ -27,7 +28,7 @@
 //! binary): `bench --work train --dtype bf16` +5–9 %, decode with a rank-16 adapter +10 % (the
 //! f32 `lora_few` it replaces); without AMX (`INFOMEM_AMX=0`) that train step is ~3 % behind the
 //! f32 products (docs/RESULTS.md).
-use super::gemm_bf16::{f32_to_bf16_bits, matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, Line, PackedBf16, Tail, TailU, Tiles};
+use super::gemm_bf16::{f32_to_bf16_bits, matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_hooked, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, Line, PackedBf16, RowHook, Tail, TailU, Tiles};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -138,7 +139,7 @@ fn pair_bf16(x: &[f32], p: &Pair, m: usize, k: usize, out: &mut [f32], ld: usize
 #[allow(clippy::too_many_arguments)]
 pub fn lora_bwd_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &[f32], col0: usize, ld: usize, da: &mut [f32], db: &mut [f32], dx: Option<&mut [f32]>) {
     let pair = Pair::new(a, b, scale, r, col0, n_out);
-    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, None, true);
+    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, None, true, in_parallel);
 }
 
 /// The LoRA pair's gradients (`TrainBackend::lora_bwd`): `dA += duᵀ x`, `dB += scale·dy_sᵀ u`
@@ -166,7 +167,8 @@ pub fn lora_bwd(
 ) {
     // every size is checked (`bwd_pairs`) even when there is nothing to do
     let pair = Pair::new(a, b, scale, r, col0, n_out);
-    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep_du, false);
+    let keep = keep_du.map(|d| (SendPtr(d.as_mut_ptr()), d.len()));
+    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep, false, in_parallel);
 }
 
 /// Where each pair's r columns start when the pairs' u (du, Aᵀ) sit side by side, and the total
@@ -186,23 +188,25 @@ fn stacked_at(pairs: &[&Pair], k: usize, rs: usize) -> Vec<f32> {
 /// is dA (their du side by side), so each block of x is read from memory once for all of them
 /// (a q/k/v or gate/up group: three or two passes before); du, dB and dx per pair, in order.
 /// The same bits as one `lora_bwd` per pair: every element is the same FMA chain, and dx takes
-/// the pairs' terms in pair order. `keep` (`[m, rs]`, rs = Σ r): du of every pair side by side.
+/// the pairs' terms in pair order. `keep` (`[m, rs]`, rs = Σ r; where, and its length): du of
+/// every pair side by side. `run` runs the chunks (`Runner`); not called when there is nothing
+/// to do (m or Σ r zero).
 #[allow(clippy::too_many_arguments)]
-fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<&mut [f32]>, bf: bool) {
+fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<(SendPtr<f32>, usize)>, bf: bool, run: impl Runner) {
     let (offs, rs) = side_by_side(pairs);
-    assert!(pairs.len() == grads.len() && x.len() >= m * k && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.as_ref().is_none_or(|d| d.len() >= m * rs), "lora_bwd: x, dx or du too small");
+    assert!(pairs.len() == grads.len() && x.len() >= m * k && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.is_none_or(|(_, len)| len >= m * rs), "lora_bwd: x, dx or du too small");
     for (p, (da, db)) in pairs.iter().zip(grads.iter()) {
         assert!(p.a.len() >= p.r * k && p.b.len() >= p.n_out * p.r && p.col0 + p.n_out <= ld && dy.len() >= m * ld && da.len() >= p.r * k && db.len() >= p.n_out * p.r, "lora_bwd: a buffer too small");
     }
     if m == 0 || rs == 0 {
         return;
     }
-    let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep.map(|v| SendPtr(v.as_mut_ptr())));
+    let (dxp, keep) = (dx.map(|v| SendPtr(v.as_mut_ptr())), keep.map(|(p, _)| p));
     if bf {
-        return bwd_pairs_bf(x, m, k, pairs, &offs, rs, dy, ld, grads, dxp, keep);
+        return bwd_pairs_bf(x, m, k, pairs, &offs, rs, dy, ld, grads, dxp, keep, run);
     }
     let at = stacked_at(pairs, k, rs);
-    let partials = chunk_partials(m, k, rs, pairs, keep, || (), |_, b| {
+    let partials = chunk_partials(m, k, rs, pairs, keep, run, || (), |_, b| {
         let (b0, mb, u, dup) = (b.b0, b.mb, b.u, b.dup);
         // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
         unsafe {
@@ -246,40 +250,58 @@ struct Blk<'a> {
     pb: &'a mut [Vec<f32>],
 }
 
-/// The LoRA backward's rows: chunks of `CHUNK` in parallel, each with its own partials (zero),
-/// u and du scratch and state (`init`), its blocks of `BLOCK` rows in order (`block`). Returns
-/// each chunk's (dA, dB per pair) partials, in row order: fixed chunks, so the sums do not depend
-/// on the thread count.
-fn chunk_partials<S>(m: usize, k: usize, rs: usize, pairs: &[&Pair], keep: Option<SendPtr<f32>>, init: impl Fn() -> S + Sync, block: impl Fn(&mut S, Blk) + Sync) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
-    (0..m.div_ceil(CHUNK))
-        .into_par_iter()
-        .map(|c| {
-            let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
-            let mut pa = vec![0f32; rs * k];
-            let mut pb: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.n_out * p.r]).collect();
-            let (mut u, mut du) = (vec![0f32; BLOCK.min(rows) * rs], vec![0f32; BLOCK.min(rows) * rs]);
-            let mut state = init();
-            for b0 in (i0..i0 + rows).step_by(BLOCK) {
-                // Safety (`add`): keep holds [m, rs] (the callers' contract)
-                let dup = keep.map_or(du.as_mut_ptr(), |kp| unsafe { kp.get().add(b0 * rs) });
-                block(&mut state, Blk { b0, mb: BLOCK.min(i0 + rows - b0), u: u.as_mut_ptr(), dup, pa: &mut pa, pb: &mut pb });
-            }
-            (pa, pb)
-        })
-        .collect()
+/// One chunk's partial dA (`[rs, k]`) and dB per pair.
+type Partial = (Vec<f32>, Vec<Vec<f32>>);
+
+/// One chunk of the LoRA backward: `chunk(c, before)` calls `before(row0, rows)` ahead of each
+/// block of rows.
+type Chunk<'a> = dyn Fn(usize, &dyn Fn(usize, usize)) -> Partial + Sync + 'a;
+
+/// Runs `chunks` chunks of the LoRA backward and returns their partials in chunk order:
+/// `in_parallel`, or inside the `dy W` product's conversion (`matmul_dx_lora`).
+trait Runner: FnOnce(usize, &Chunk) -> Vec<Partial> {}
+impl<F: FnOnce(usize, &Chunk) -> Vec<Partial>> Runner for F {}
+
+/// The chunks on rayon.
+fn in_parallel(chunks: usize, chunk: &Chunk) -> Vec<Partial> {
+    (0..chunks).into_par_iter().map(|c| chunk(c, &|_, _| {})).collect()
+}
+
+/// The LoRA backward's rows: chunks of `CHUNK` (run by `run`, in parallel), each with its own
+/// partials (zero), u and du scratch and state (`init`), its blocks of `BLOCK` rows in order
+/// (`block`). Returns each chunk's (dA, dB per pair) partials, in row order: fixed chunks, so the
+/// sums do not depend on the thread count.
+#[allow(clippy::too_many_arguments)]
+fn chunk_partials<S>(m: usize, k: usize, rs: usize, pairs: &[&Pair], keep: Option<SendPtr<f32>>, run: impl Runner, init: impl Fn() -> S + Sync, block: impl Fn(&mut S, Blk) + Sync) -> Vec<Partial> {
+    let chunk = |c: usize, before: &dyn Fn(usize, usize)| {
+        let (i0, rows) = (c * CHUNK, CHUNK.min(m - c * CHUNK));
+        let mut pa = vec![0f32; rs * k];
+        let mut pb: Vec<Vec<f32>> = pairs.iter().map(|p| vec![0f32; p.n_out * p.r]).collect();
+        let (mut u, mut du) = (vec![0f32; BLOCK.min(rows) * rs], vec![0f32; BLOCK.min(rows) * rs]);
+        let mut state = init();
+        for b0 in (i0..i0 + rows).step_by(BLOCK) {
+            // Safety (`add`): keep holds [m, rs] (the callers' contract)
+            let dup = keep.map_or(du.as_mut_ptr(), |kp| unsafe { kp.get().add(b0 * rs) });
+            let mb = BLOCK.min(i0 + rows - b0);
+            before(b0, mb);
+            block(&mut state, Blk { b0, mb, u: u.as_mut_ptr(), dup, pa: &mut pa, pb: &mut pb });
+        }
+        (pa, pb)
+    };
+    run(m.div_ceil(CHUNK), &chunk)
 }
 
 /// `bwd_pairs` with bf16 operands: per block of rows the same products, each on `product_bf`.
 /// The two m-reductions take the block's rows as pairs of B (x for dA, dy's slice for dB,
 /// rounded by vectors), so dB is formed transposed per chunk (`[r, n_out]`) and turned once.
 #[allow(clippy::too_many_arguments)]
-fn bwd_pairs_bf(x: &[f32], m: usize, k: usize, pairs: &[&Pair], offs: &[usize], rs: usize, dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dxp: Option<SendPtr<f32>>, keep: Option<SendPtr<f32>>) {
+fn bwd_pairs_bf(x: &[f32], m: usize, k: usize, pairs: &[&Pair], offs: &[usize], rs: usize, dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dxp: Option<SendPtr<f32>>, keep: Option<SendPtr<f32>>, run: impl Runner) {
     let ats: Vec<Op> = pairs.iter().map(|p| p.bf_at(k)).collect();
     let bbs: Vec<Op> = pairs.iter().map(|p| p.bf_b()).collect();
     let bas: Vec<Op> = if dxp.is_some() { pairs.iter().map(|p| p.bf_a(k)).collect() } else { Vec::new() };
     // per chunk: the block's x and dy slices as B, and the tiles held
     let init = || (BfB::empty(), BfB::empty(), Tiles::new());
-    let partials = chunk_partials(m, k, rs, pairs, keep, init, |(bdy, bx, _), b| {
+    let partials = chunk_partials(m, k, rs, pairs, keep, run, init, |(bdy, bx, _), b| {
         let (b0, mb, u, dup) = (b.b0, b.mb, b.u, b.dup);
         // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
         unsafe {
@@ -435,7 +457,9 @@ pub fn matmul_lora_swiglu(x: &[f32], w: &PackedBf16, m: usize, k: usize, inter: 
 }
 
 /// `dx = dy W` on the bf16 `w` (`dy [m, n]`), then `lora_bwd` of each pair in order with dx
-/// (`x [m, k]` the projection's input; `grads[i]` pair i's dA and dB, accumulated) — fused: each
+/// (`x [m, k]` the projection's input; `grads[i]` pair i's dA and dB, accumulated) — fused: the
+/// pairs' chunks of rows run inside the product's conversion of dy (each 64-row block right
+/// after its rows are converted, `gemm_bf16::RowHook`), so dy is read from memory once; each
 /// pair's `du` is kept (`[m, r]`) and `du A` added to each strip of dx right after the `dy W`
 /// product wrote it. Same bits as the separate ops (`fused_equals_separate`).
 #[allow(clippy::too_many_arguments)]
@@ -453,13 +477,30 @@ fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize,
     let (live, mut gs): (Vec<&Pair>, Vec<(&mut [f32], &mut [f32])>) = pairs.iter().zip(grads.iter_mut()).filter(|(p, _)| p.r > 0).map(|(p, (a, b))| (p, (&mut **a, &mut **b))).unzip();
     let (offs, rs) = side_by_side(&live);
     let mut du = vec![0f32; m * rs];
-    bwd_pairs(x, m, k, &live, dy, n, &mut gs, None, Some(&mut du), true);
+    // the pairs write du and the tails read it: both through this pointer
     let dup = SendPtr(du.as_mut_ptr());
     let bas: Vec<Op> = live.iter().map(|p| p.bf_a(k)).collect();
     // Safety (`add`): offsets inside du's rows
     let tails: Vec<Tail> = live.iter().zip(&offs).zip(&bas).filter(|_| m > 0 && n > 0).map(|((_, &o), ba)| Tail { u: SendPtr(unsafe { dup.get().add(o) }), ldu: rs, b: SendPtr(&**ba as *const BfB as *mut BfB), alpha: 1.0, col0: 0, ncols: k }).collect();
-    // Safety: du [m, rs] above, A [r, k] checked; the tails only read them.
-    unsafe { matmul_dx_bf16_tails(dy, w, m, n, k, dx, false, kernel, true, &tails) }
+    if m == 0 || rs == 0 {
+        // Safety: no tails (m = 0 or no live pair)
+        return unsafe { matmul_dx_bf16_tails(dy, w, m, n, k, dx, false, kernel, true, &[]) };
+    }
+    // The pairs' chunks run inside the product's conversion of dy, each block right after its
+    // rows are converted (dy is read from memory once for the product and the pairs: at 4096
+    // rows the pairs' own pass re-read 84 MB a layer, ~10 GB/s per core here), and before the
+    // tails of those rows read their du. Chunks and blocks as in `bwd_pairs`: the same bits.
+    bwd_pairs(x, m, k, &live, dy, n, &mut gs, None, Some((dup, m * rs)), true, |chunks: usize, chunk: &Chunk| {
+        let slots: Vec<OnceLock<Partial>> = (0..chunks).map(|_| OnceLock::new()).collect();
+        // each block's rows of dy converted for the product right before the block reads them
+        let f = |r0: usize, _rows: usize, convert: &dyn Fn(usize, usize)| {
+            let c = r0 / CHUNK;
+            assert!(slots[c].set(chunk(c, convert)).is_ok(), "matmul_dx_lora: chunk {c} run twice");
+        };
+        // Safety: du [m, rs] is written by the hook for the rows the tails then read; A [r, k] checked.
+        unsafe { matmul_dx_bf16_hooked(dy, w, m, n, k, dx, false, kernel, true, &tails, Some(&RowHook { f: &f, piece: CHUNK })) };
+        slots.into_iter().map(|s| s.into_inner().expect("matmul_dx_lora: every chunk runs in the conversion")).collect()
+    });
 }
 
 // ---- bf16 operands (`--dtype bf16`) ----
@@ -1204,7 +1245,7 @@ mod tests {
             (40, 64, 256, &[(8, 0, 64), (0, 64, 64), (4, 128, 128)]),
             // A converted in row batches (16 MiB / 6 KiB per row: 2720 rows on AMX strips, 2724
             // on 12-row ones, then the rest; AVX2's f32 layout: 1356 rows), the forward's x,
-            // then the backward's dy
+            // then the backward's dy (whole chunks of the pairs: 2560 rows, 1280 on AVX2)
             (2800, 3072, 64, &[(8, 0, 64)]),
             (2800, 64, 3072, &[(8, 3000, 72)]),
             // odd k (a zero-padded last pair: AMX declines it), n off the 32-column panels, two
