@@ -420,6 +420,18 @@ pub trait TrainBackend: Backend {
     fn matmul_dx_lora(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, x: &Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>], grads: &mut [(&mut Self::Buf, &mut Self::Buf)]) -> Result<()> {
         matmul_dx_lora_separate(self, dy, w, m, n, k, dx, x, pairs, grads)
     }
+    /// `matmul_dx_lora` of the down projection with its input given as the gate/up rows it was
+    /// made of: `x = swiglu(gate_up)` (`gate_up [m, 2k]`, x `[m, k]`), so that a backend can form
+    /// x's rows where its pairs read them and the backward never recomputes x into a buffer (the
+    /// CPU's bf16 path does). The default forms x with `swiglu` and calls `matmul_dx_lora`. The
+    /// same result either way.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dx_lora_swiglu(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, gate_up: &Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>], grads: &mut [(&mut Self::Buf, &mut Self::Buf)]) -> Result<()> {
+        // Safety: `swiglu` writes it whole
+        let mut x = unsafe { self.scratch(m * k)? };
+        self.swiglu(gate_up, m, k, &mut x)?;
+        self.matmul_dx_lora(dy, w, m, n, k, dx, &x, pairs, grads)
+    }
     /// Backward of `Backend::lora` (`y[:, col0..col0+n_out] += scale·(x Aᵀ) Bᵀ`, `y` rows of `ld`):
     /// with `dy` the gradient of the whole `y` (rows of `ld`), accumulate
     /// `dA [r, k] += scale·(dy_s B)ᵀ x`, `dB [n_out, r] += scale·dy_sᵀ (x Aᵀ)` and, when given,

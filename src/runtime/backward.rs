@@ -207,7 +207,8 @@ impl<B: TrainBackend> Acts<B> {
         let be = &model.be;
         // Safety: `layer_fwd_inner` writes each whole before it reads it (the norms, products,
         // attention and SwiGLU in order; `o` by the o and down products), and the backward's
-        // kept layers write h1, h2 and act again before use
+        // kept layers write h1, h2 and (LoRA merged) act again before use; with LoRA unmerged
+        // the backward does not read act (the down pairs form it from gate/up)
         let s = |n: usize| unsafe { be.scratch(n) };
         Ok(Acts {
             h1: s(n * c.hidden)?,
@@ -340,7 +341,9 @@ impl<B: TrainBackend> Merged<B> {
 /// What the backward needs of a layer beyond its input residual, kept from the forward when the
 /// backend's budget allows (`TrainBackend::keep_activation_bytes`): the rotated qkv, the attention
 /// output and its log-sum-exp, gate/up, and the residual after attention. The norms' outputs and
-/// SwiGLU are cheap and recomputed from these, with the same arithmetic as in the forward.
+/// SwiGLU are cheap and recomputed from these, with the same arithmetic as in the forward (with
+/// LoRA unmerged SwiGLU is not recomputed into a buffer at all: the down pairs form it from
+/// gate/up where they read it, `TrainBackend::matmul_dx_lora_swiglu`).
 struct Kept<B: Backend> {
     qkv_pre: Option<B::Buf>,
     qkv: B::Buf,
@@ -397,7 +400,11 @@ fn layer_fwd_inner<B: TrainBackend>(model: &Model<B>, w: &LayerW<B>, batch: &Den
     }
     // MLP block
     prof::time("train_matmul", || be.matmul_lora(&a.h2, w.gate_up, None, n, d, 2 * inter, &mut a.gu, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
-    be.swiglu(&a.gu, n, inter, &mut a.act)?;
+    // the backward's recompute with LoRA unmerged forms the down pairs' input from gate/up
+    // itself (`matmul_dx_lora_swiglu`): act is not needed then
+    if full || w.lora_layer.is_none() {
+        be.swiglu(&a.gu, n, inter, &mut a.act)?;
+    }
     if full {
         prof::time("train_matmul", || be.matmul_lora(&a.act, w.down, None, n, inter, d, &mut a.o, &ls(&[(Proj::Down, 0)])))?;
         be.add(x, &a.o, n * d)?;
@@ -577,7 +584,6 @@ fn grads_inner<B: TrainBackend, S>(
             *xm = k.xm;
             be.rmsnorm(&xin, &model.layers[l].attn_norm, c.rms_eps, n, d, &mut acts.h1)?;
             be.rmsnorm(&*xm, &model.layers[l].mlp_norm, c.rms_eps, n, d, &mut acts.h2)?;
-            be.swiglu(&acts.gu, n, inter, &mut acts.act)?;
             1 + l
         } else {
             prof::time("train_merge", || merged.merge(model, Policy::Current, l, 0))?;
@@ -586,20 +592,28 @@ fn grads_inner<B: TrainBackend, S>(
             0
         };
         let w = merged.get(model, l, slot);
+        let lazy = w.lora_layer.is_some();
+        if !lazy && slot != 0 {
+            // a kept layer, LoRA merged: act recomputed from its gate/up for the down pairs (a
+            // recomputed layer has it; unmerged, the pairs form it themselves, below)
+            be.swiglu(&acts.gu, n, inter, &mut acts.act)?;
+        }
         let gl = &mut grads.layers[l];
         let a = &acts;
 
         // MLP: out = x_mid + down(swiglu(gate_up(rmsnorm(x_mid)))); per projection, the input
         // gradient through the merged weight (LoRA included) and the LoRA pairs' own gradients,
         // or with LoRA unmerged the pairs' input gradients added in the same op (`dx_lora`)
-        let lazy = w.lora_layer.is_some();
-        dx_lora(model, l, n, w.down, &[(Proj::Down, 0)], &a.act, &dres, d, inter, Some(&mut dact), lazy, gl)?;
+        // the down pairs' input act = swiglu(gu): unmerged, formed where the pairs read it and
+        // never recomputed into a buffer (50 MB written and read back a layer at 4096 rows)
+        let act = if lazy { PairsIn::SwigluOf(&a.gu) } else { PairsIn::X(&a.act) };
+        dx_lora(model, l, n, w.down, &[(Proj::Down, 0)], act, &dres, d, inter, Some(&mut dact), lazy, gl)?;
         be.swiglu_bwd(&a.gu, &dact, n, inter, &mut dgu)?;
-        dx_lora(model, l, n, w.gate_up, &[(Proj::Gate, 0), (Proj::Up, inter)], &a.h2, &dgu, 2 * inter, d, Some(&mut dhid), lazy, gl)?;
+        dx_lora(model, l, n, w.gate_up, &[(Proj::Gate, 0), (Proj::Up, inter)], PairsIn::X(&a.h2), &dgu, 2 * inter, d, Some(&mut dhid), lazy, gl)?;
         be.rmsnorm_bwd(&*xm, w.mlp_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
 
         // attention: x_mid = x + o(attn(rope(qkv(rmsnorm(x)))))
-        dx_lora(model, l, n, w.o, &[(Proj::O, 0)], &a.att, &dres, d, q_dim, Some(&mut datt), lazy, gl)?;
+        dx_lora(model, l, n, w.o, &[(Proj::O, 0)], PairsIn::X(&a.att), &dres, d, q_dim, Some(&mut datt), lazy, gl)?;
         prof::time("train_attn_bwd", || be.attn_dense_bwd(&a.qkv, &a.att, &datt, &a.lse, &batch.seqs, model.geom(), &mut dqkv))?;
         match (w.qk_norm, a.qkv_pre.as_ref()) {
             (Some((qn, kn)), Some(pre)) => be.qk_norm_rope_bwd(pre, qn, kn, c.rms_eps, &mut dqkv, &batch.positions, &model.inv_freq, model.geom())?,
@@ -607,7 +621,7 @@ fn grads_inner<B: TrainBackend, S>(
         }
         // The embeddings are frozen: below layer 0 no input gradient is needed.
         let qkv_projs = [(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)];
-        dx_lora(model, l, n, w.qkv, &qkv_projs, &a.h1, &dqkv, qkv_dim, d, (l > 0).then_some(&mut dhid), lazy, gl)?;
+        dx_lora(model, l, n, w.qkv, &qkv_projs, PairsIn::X(&a.h1), &dqkv, qkv_dim, d, (l > 0).then_some(&mut dhid), lazy, gl)?;
         if l > 0 {
             be.rmsnorm_bwd(&xin, w.attn_norm, &dhid, c.rms_eps, n, d, &mut dres, true)?;
         }
@@ -626,7 +640,7 @@ fn dx_lora<B: TrainBackend>(
     n: usize,
     w: &B::Buf,
     projs: &[(Proj, usize)],
-    x: &B::Buf,
+    x: PairsIn<B>,
     dy: &B::Buf,
     ld: usize,
     k: usize,
@@ -637,6 +651,7 @@ fn dx_lora<B: TrainBackend>(
     let dx = match dx {
         Some(dx) if lazy => dx,
         dx => {
+            let PairsIn::X(x) = x else { bail!("internal: the pairs' input as gate/up needs the fused op (LoRA unmerged, dx wanted)") };
             if let Some(dx) = dx {
                 prof::time("train_matmul_dx", || model.be.matmul_dx(dy, w, n, ld, k, dx, false))?;
             }
@@ -654,7 +669,17 @@ fn dx_lora<B: TrainBackend>(
             gs.push((&mut g.0, &mut g.1));
         }
     }
-    prof::time("train_matmul_dx", || model.be.matmul_dx_lora(dy, w, n, ld, k, dx, x, &pairs, &mut gs))
+    prof::time("train_matmul_dx", || match x {
+        PairsIn::X(x) => model.be.matmul_dx_lora(dy, w, n, ld, k, dx, x, &pairs, &mut gs),
+        PairsIn::SwigluOf(gu) => model.be.matmul_dx_lora_swiglu(dy, w, n, ld, k, dx, gu, &pairs, &mut gs),
+    })
+}
+
+/// The LoRA pairs' input in `dx_lora`: x itself, or the gate/up rows `[n, 2k]` whose SwiGLU it
+/// is (the down projection's, `TrainBackend::matmul_dx_lora_swiglu`).
+enum PairsIn<'a, B: Backend> {
+    X(&'a B::Buf),
+    SwigluOf(&'a B::Buf),
 }
 
 /// Accumulate the gradients of (layer, proj)'s LoRA pair, if any, from its input `x` and the

@@ -139,7 +139,7 @@ fn pair_bf16(x: &[f32], p: &Pair, m: usize, k: usize, out: &mut [f32], ld: usize
 #[allow(clippy::too_many_arguments)]
 pub fn lora_bwd_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &[f32], col0: usize, ld: usize, da: &mut [f32], db: &mut [f32], dx: Option<&mut [f32]>) {
     let pair = Pair::new(a, b, scale, r, col0, n_out);
-    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, None, true, in_parallel);
+    bwd_pairs(XRows::Plain(x), m, k, &[&pair], dy, ld, &mut [(da, db)], dx, None, true, in_parallel);
 }
 
 /// The LoRA pair's gradients (`TrainBackend::lora_bwd`): `dA += duᵀ x`, `dB += scale·dy_sᵀ u`
@@ -168,7 +168,7 @@ pub fn lora_bwd(
     // every size is checked (`bwd_pairs`) even when there is nothing to do
     let pair = Pair::new(a, b, scale, r, col0, n_out);
     let keep = keep_du.map(|d| (SendPtr(d.as_mut_ptr()), d.len()));
-    bwd_pairs(x, m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep, false, in_parallel);
+    bwd_pairs(XRows::Plain(x), m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep, false, in_parallel);
 }
 
 /// Where each pair's r columns start when the pairs' u (du, Aᵀ) sit side by side, and the total
@@ -192,9 +192,9 @@ fn stacked_at(pairs: &[&Pair], k: usize, rs: usize) -> Vec<f32> {
 /// every pair side by side. `run` runs the chunks (`Runner`); not called when there is nothing
 /// to do (m or Σ r zero).
 #[allow(clippy::too_many_arguments)]
-fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<(SendPtr<f32>, usize)>, bf: bool, run: impl Runner) {
+fn bwd_pairs(x: XRows, m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dx: Option<&mut [f32]>, keep: Option<(SendPtr<f32>, usize)>, bf: bool, run: impl Runner) {
     let (offs, rs) = side_by_side(pairs);
-    assert!(pairs.len() == grads.len() && x.len() >= m * k && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.is_none_or(|(_, len)| len >= m * rs), "lora_bwd: x, dx or du too small");
+    assert!(pairs.len() == grads.len() && x.len() >= x.width(k) * m && dx.as_ref().is_none_or(|d| d.len() >= m * k) && keep.is_none_or(|(_, len)| len >= m * rs), "lora_bwd: x, dx or du too small");
     for (p, (da, db)) in pairs.iter().zip(grads.iter()) {
         assert!(p.a.len() >= p.r * k && p.b.len() >= p.n_out * p.r && p.col0 + p.n_out <= ld && dy.len() >= m * ld && da.len() >= p.r * k && db.len() >= p.n_out * p.r, "lora_bwd: a buffer too small");
     }
@@ -205,6 +205,7 @@ fn bwd_pairs(x: &[f32], m: usize, k: usize, pairs: &[&Pair], dy: &[f32], ld: usi
     if bf {
         return bwd_pairs_bf(x, m, k, pairs, &offs, rs, dy, ld, grads, dxp, keep, run);
     }
+    let XRows::Plain(x) = x else { unreachable!("the f32 pairs take x as rows") };
     let at = stacked_at(pairs, k, rs);
     let partials = chunk_partials(m, k, rs, pairs, keep, run, || (), |_, b| {
         let (b0, mb, u, dup) = (b.b0, b.mb, b.u, b.dup);
@@ -295,17 +296,18 @@ fn chunk_partials<S>(m: usize, k: usize, rs: usize, pairs: &[&Pair], keep: Optio
 /// The two m-reductions take the block's rows as pairs of B (x for dA, dy's slice for dB,
 /// rounded by vectors), so dB is formed transposed per chunk (`[r, n_out]`) and turned once.
 #[allow(clippy::too_many_arguments)]
-fn bwd_pairs_bf(x: &[f32], m: usize, k: usize, pairs: &[&Pair], offs: &[usize], rs: usize, dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dxp: Option<SendPtr<f32>>, keep: Option<SendPtr<f32>>, run: impl Runner) {
+fn bwd_pairs_bf(x: XRows, m: usize, k: usize, pairs: &[&Pair], offs: &[usize], rs: usize, dy: &[f32], ld: usize, grads: &mut [(&mut [f32], &mut [f32])], dxp: Option<SendPtr<f32>>, keep: Option<SendPtr<f32>>, run: impl Runner) {
     let ats: Vec<Op> = pairs.iter().map(|p| p.bf_at(k)).collect();
     let bbs: Vec<Op> = pairs.iter().map(|p| p.bf_b()).collect();
     let bas: Vec<Op> = if dxp.is_some() { pairs.iter().map(|p| p.bf_a(k)).collect() } else { Vec::new() };
-    // per chunk: the block's x and dy slices as B, and the tiles held
-    let init = || (BfB::empty(), BfB::empty(), Tiles::new());
-    let partials = chunk_partials(m, k, rs, pairs, keep, run, init, |(bdy, bx, _), b| {
+    // per chunk: the block's x and dy slices as B, the tiles held, and the block's x rows when
+    // they are formed here (`XRows::Swiglu`)
+    let init = || (BfB::empty(), BfB::empty(), Tiles::new(), Vec::new());
+    let partials = chunk_partials(m, k, rs, pairs, keep, run, init, |(bdy, bx, _, xb), b| {
         let (b0, mb, u, dup) = (b.b0, b.mb, b.u, b.dup);
+        let xs = x.block(b0, mb, k, xb);
         // Safety: rows b0..b0+mb are this task's (dx, keep); every extent is inside the checked buffers.
         unsafe {
-            let xs = x.as_ptr().add(b0 * k);
             // u [mb, rs] = x_blk Aᵀ, every pair's from one conversion of the block
             let outs: Vec<Out> = ats.iter().zip(offs).map(|(a, &o)| Out { b: a, j0: 0, j1: a.n, c: u.add(o), ldc: rs }).collect();
             products_bf(mb, xs, k, 1, &outs, 1.0, false, true);
@@ -333,6 +335,45 @@ fn bwd_pairs_bf(x: &[f32], m: usize, k: usize, pairs: &[&Pair], offs: &[usize], 
             super::norm::add(&mut da[..p.r * k], &pa[o * k..(o + p.r) * k]);
             for (oi, row) in db[..p.n_out * p.r].chunks_exact_mut(p.r).enumerate() {
                 row.iter_mut().enumerate().for_each(|(j, v)| *v += pbt[j * p.n_out + oi]);
+            }
+        }
+    }
+}
+
+/// The pairs' input x `[m, k]` in the backward: its rows, or (the down projection's) the gate/up
+/// rows it was made of, `x = silu(g)·u` of `[g | u]` (`[m, 2k]`), formed per block of rows by
+/// `simd::silu_mul` (`swiglu`'s own function, so the same values) while the block is in cache:
+/// the backward then neither recomputes x into a buffer nor reads it back.
+#[derive(Clone, Copy)]
+pub enum XRows<'a> {
+    Plain(&'a [f32]),
+    Swiglu(&'a [f32]),
+}
+
+impl XRows<'_> {
+    /// Stored values per row of x `[m, k]`.
+    fn width(&self, k: usize) -> usize {
+        match self {
+            XRows::Plain(_) => k,
+            XRows::Swiglu(_) => 2 * k,
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            XRows::Plain(x) | XRows::Swiglu(x) => x.len(),
+        }
+    }
+    /// Rows `b0..b0+mb` of x (row stride k): in place, or formed into `scratch`.
+    fn block(&self, b0: usize, mb: usize, k: usize, scratch: &mut Vec<f32>) -> *const f32 {
+        match *self {
+            XRows::Plain(x) => x[b0 * k..(b0 + mb) * k].as_ptr(),
+            XRows::Swiglu(gu) => {
+                scratch.resize(mb * k, 0.0);
+                for (r, row) in scratch.chunks_exact_mut(k).enumerate() {
+                    let (g, u) = gu[(b0 + r) * 2 * k..(b0 + r + 1) * 2 * k].split_at(k);
+                    super::simd::silu_mul(g, u, row);
+                }
+                scratch.as_ptr()
             }
         }
     }
@@ -463,15 +504,15 @@ pub fn matmul_lora_swiglu(x: &[f32], w: &PackedBf16, m: usize, k: usize, inter: 
 /// pair's `du` is kept (`[m, r]`) and `du A` added to each strip of dx right after the `dy W`
 /// product wrote it. Same bits as the separate ops (`fused_equals_separate`).
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_dx_lora(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], x: &[f32], pairs: &[Pair], grads: &mut [(&mut [f32], &mut [f32])]) {
+pub fn matmul_dx_lora(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], x: XRows, pairs: &[Pair], grads: &mut [(&mut [f32], &mut [f32])]) {
     matmul_dx_lora_with(dy, w, m, n, k, dx, x, pairs, grads, Kernel::Auto)
 }
 
 /// `matmul_dx_lora` on the given GEMM kernel.
 #[allow(clippy::too_many_arguments)]
-fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], x: &[f32], pairs: &[Pair], grads: &mut [(&mut [f32], &mut [f32])], kernel: Kernel) {
+fn matmul_dx_lora_with(dy: &[f32], w: &PackedBf16, m: usize, n: usize, k: usize, dx: &mut [f32], x: XRows, pairs: &[Pair], grads: &mut [(&mut [f32], &mut [f32])], kernel: Kernel) {
     assert!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
-    assert!(x.len() >= m * k && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: buffers too small");
+    assert!(x.len() >= m * x.width(k) && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: buffers too small");
     pairs.iter().for_each(|p| p.check(k, n));
     // the pairs' du side by side ([m, rs]), from one pass over the rows for all pairs
     let (live, mut gs): (Vec<&Pair>, Vec<(&mut [f32], &mut [f32])>) = pairs.iter().zip(grads.iter_mut()).filter(|(p, _)| p.r > 0).map(|(p, (a, b))| (p, (&mut **a, &mut **b))).unzip();
@@ -1216,6 +1257,46 @@ mod tests {
         }
     }
 
+    /// The pairs' input given as gate/up rows (`XRows::Swiglu`, the down projection's in the
+    /// backward) gives the bits of the same op on `swiglu(gate_up)` as rows: dx, dA and dB, on
+    /// every bf16 kernel, 1 and 2 threads, rows over several chunks and batches and off the blocks.
+    #[test]
+    fn swiglu_input_equals_its_rows() {
+        use super::super::gemm_bf16::PackedBf16;
+        let mut rng = Rng::new(35);
+        let mut kernels = vec![Kernel::Portable];
+        if crate::backend::cpu::gemm_bf16::native_available() {
+            kernels.push(Kernel::Native);
+        }
+        if crate::backend::cpu::gemm_bf16::amx_available() {
+            kernels.push(Kernel::Amx);
+        }
+        // (m, k = inter, n = hidden)
+        for &(m, k, n) in &[(70usize, 96usize, 64usize), (600, 64, 96), (3000, 32, 2800)] {
+            let gu: Vec<f32> = rand(&mut rng, m * 2 * k).iter().map(|v| 4.0 * v).collect();
+            let mut act = vec![0f32; m * k];
+            super::super::swiglu::swiglu(&gu, m, k, &mut act);
+            let (w, dy) = (rand(&mut rng, n * k), rand(&mut rng, m * n));
+            let pw = PackedBf16::from_f32(&w, n, k);
+            let (a, b) = (rand(&mut rng, 8 * k), rand(&mut rng, n * 8));
+            let pairs = [Pair::new(&a, &b, 0.7, 8, 0, n)];
+            for &kernel in &kernels {
+                for threads in [1, 2] {
+                    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| {
+                        let run = |x: XRows| {
+                            let (mut dx, mut ga, mut gb) = (vec![f32::NAN; m * k], vec![0f32; 8 * k], vec![0f32; n * 8]);
+                            matmul_dx_lora_with(&dy, &pw, m, n, k, &mut dx, x, &pairs, &mut [(&mut ga[..], &mut gb[..])], kernel);
+                            (dx, ga, gb)
+                        };
+                        let (want, got) = (run(XRows::Plain(&act)), run(XRows::Swiglu(&gu)));
+                        assert!(want.1.iter().any(|&v| v != 0.0) && want.2.iter().any(|&v| v != 0.0), "gradients, not zeros");
+                        assert!(got == want, "m {m} k {k} n {n} ({kernel:?}, {threads} threads): the gate/up input differs from its rows");
+                    });
+                }
+            }
+        }
+    }
+
     /// The fused ops give the separate ops' bits: `out`, `dx`, dA and dB, on every bf16 kernel
     /// this CPU has, 1 and 2 threads; shapes with one and three k blocks (k 576, 1536), row
     /// counts through the decode cut (16 / 17) and off the 32-row strips, several runs of panels
@@ -1284,7 +1365,7 @@ mod tests {
                         let mut got_dx = vec![f32::NAN; m * k];
                         let mut got_g = g0.clone();
                         let mut gr: Vec<(&mut [f32], &mut [f32])> = got_g.iter_mut().map(|(a, b)| (&mut a[..], &mut b[..])).collect();
-                        matmul_dx_lora_with(&dy, &pw, m, n, k, &mut got_dx, &x, &pairs, &mut gr, kernel);
+                        matmul_dx_lora_with(&dy, &pw, m, n, k, &mut got_dx, XRows::Plain(&x), &pairs, &mut gr, kernel);
                         assert!(got_dx == want_dx, "matmul_dx_lora's dx differs at m {m} k {k} n {n} ({kernel:?}, {threads} threads)");
                         assert!(got_g == want_g, "matmul_dx_lora's dA/dB differ at m {m} k {k} n {n} ({kernel:?}, {threads} threads)");
                         // and the sums are not vacuous: the deltas changed the outputs
