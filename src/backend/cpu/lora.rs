@@ -1257,6 +1257,14 @@ mod tests {
         }
     }
 
+    /// Every bf16 GEMM kernel this CPU runs.
+    fn bf16_kernels() -> Vec<Kernel> {
+        use crate::backend::cpu::gemm_bf16::{amx_available, avx2_available, native_available};
+        let mut kernels = vec![Kernel::Portable];
+        kernels.extend([(avx2_available(), Kernel::Avx2), (native_available(), Kernel::Native), (amx_available(), Kernel::Amx)].into_iter().filter(|(ok, _)| *ok).map(|(_, k)| k));
+        kernels
+    }
+
     /// The pairs' input given as gate/up rows (`XRows::Swiglu`, the down projection's in the
     /// backward) gives the bits of the same op on `swiglu(gate_up)` as rows: dx, dA and dB, on
     /// every bf16 kernel, 1 and 2 threads, rows over several chunks and batches and off the blocks.
@@ -1264,13 +1272,7 @@ mod tests {
     fn swiglu_input_equals_its_rows() {
         use super::super::gemm_bf16::PackedBf16;
         let mut rng = Rng::new(35);
-        let mut kernels = vec![Kernel::Portable];
-        if crate::backend::cpu::gemm_bf16::native_available() {
-            kernels.push(Kernel::Native);
-        }
-        if crate::backend::cpu::gemm_bf16::amx_available() {
-            kernels.push(Kernel::Amx);
-        }
+        let kernels = bf16_kernels();
         // (m, k = inter, n = hidden)
         for &(m, k, n) in &[(70usize, 96usize, 64usize), (600, 64, 96), (3000, 32, 2800)] {
             let gu: Vec<f32> = rand(&mut rng, m * 2 * k).iter().map(|v| 4.0 * v).collect();
@@ -1306,16 +1308,7 @@ mod tests {
     fn fused_equals_separate() {
         use super::super::gemm_bf16::{matmul_dx_bf16_with, PackedBf16};
         let mut rng = Rng::new(33);
-        let mut kernels = vec![Kernel::Portable];
-        if crate::backend::cpu::gemm_bf16::avx2_available() {
-            kernels.push(Kernel::Avx2);
-        }
-        if crate::backend::cpu::gemm_bf16::native_available() {
-            kernels.push(Kernel::Native);
-        }
-        if crate::backend::cpu::gemm_bf16::amx_available() {
-            kernels.push(Kernel::Amx);
-        }
+        let kernels = bf16_kernels();
         // (m, k, n, pairs as (r, col0, n_out))
         let cases: &[(usize, usize, usize, &[(usize, usize, usize)])] = &[
             (70, 576, 960, &[(16, 0, 576), (16, 576, 192), (8, 768, 192)]),
