@@ -225,7 +225,7 @@ fn lora_products(c: &mut Criterion) {
         g.bench_function(format!("dy·W + pairs' backward bf16 {name} {m}x{n}→{k} r{r}"), |bch| {
             bch.iter(|| {
                 let mut gr: Vec<(&mut [f32], &mut [f32])> = grads.iter_mut().map(|(a, b)| (&mut a[..], &mut b[..])).collect();
-                lora::matmul_dx_lora(&dy, &pw, m, n, k, &mut dx, &x, &pairs, &mut gr)
+                lora::matmul_dx_lora(&dy, &pw, m, n, k, &mut dx, lora::XRows::Plain(&x), &pairs, &mut gr)
             })
         });
     }
