@@ -208,6 +208,18 @@ pub fn matmul_dx_lora_separate<B: TrainBackend + ?Sized>(be: &B, dy: &B::Buf, w:
     Ok(())
 }
 
+/// `TrainBackend::matmul_dx_lora_swiglu` as the separate ops: x = `swiglu(gate_up)` into a
+/// buffer, then `matmul_dx_lora` (the trait's default, and the CPU backend's path where it does
+/// not fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_dx_lora_swiglu_separate<B: TrainBackend + ?Sized>(be: &B, dy: &B::Buf, w: &B::Buf, m: usize, n: usize, k: usize, dx: &mut B::Buf, gate_up: &B::Buf, pairs: &[LoraSlice<'_, B::Buf>], grads: &mut [(&mut B::Buf, &mut B::Buf)]) -> Result<()> {
+    anyhow::ensure!(be.len(gate_up) >= m * 2 * k, "matmul_dx_lora_swiglu: gate_up smaller than [{m}, {}]", 2 * k);
+    // Safety: `swiglu` writes it whole
+    let mut x = unsafe { be.scratch(m * k)? };
+    be.swiglu(gate_up, m, k, &mut x)?;
+    be.matmul_dx_lora(dy, w, m, n, k, dx, &x, pairs, grads)
+}
+
 pub trait Backend: Send + Sync {
     /// A flat array on the backend's device.
     type Buf: Send + Sync;
@@ -427,10 +439,7 @@ pub trait TrainBackend: Backend {
     /// same result either way.
     #[allow(clippy::too_many_arguments)]
     fn matmul_dx_lora_swiglu(&self, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, dx: &mut Self::Buf, gate_up: &Self::Buf, pairs: &[LoraSlice<'_, Self::Buf>], grads: &mut [(&mut Self::Buf, &mut Self::Buf)]) -> Result<()> {
-        // Safety: `swiglu` writes it whole
-        let mut x = unsafe { self.scratch(m * k)? };
-        self.swiglu(gate_up, m, k, &mut x)?;
-        self.matmul_dx_lora(dy, w, m, n, k, dx, &x, pairs, grads)
+        matmul_dx_lora_swiglu_separate(self, dy, w, m, n, k, dx, gate_up, pairs, grads)
     }
     /// Backward of `Backend::lora` (`y[:, col0..col0+n_out] += scale·(x Aᵀ) Bᵀ`, `y` rows of `ld`):
     /// with `dy` the gradient of the whole `y` (rows of `ld`), accumulate

@@ -352,13 +352,14 @@ pub enum XRows<'a> {
 
 impl XRows<'_> {
     /// Stored values per row of x `[m, k]`.
-    fn width(&self, k: usize) -> usize {
+    pub(crate) fn width(&self, k: usize) -> usize {
         match self {
             XRows::Plain(_) => k,
             XRows::Swiglu(_) => 2 * k,
         }
     }
-    fn len(&self) -> usize {
+    /// Stored values.
+    pub(crate) fn len(&self) -> usize {
         match self {
             XRows::Plain(x) | XRows::Swiglu(x) => x.len(),
         }

@@ -295,11 +295,8 @@ pub fn poison_scratch(on: bool) -> bool {
 fn fused_dx_lora(dy: &CpuBuf, pw: &gemm_bf16::PackedBf16, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: lora::XRows, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
     ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
     ensure!(pw.n() == n && pw.k() == k, "matmul_dx_lora: bf16 weight [{}, {}] for [{n}, {k}]", pw.n(), pw.k());
-    let xw = if let lora::XRows::Swiglu(_) = x { 2 * k } else { k };
-    let xl = match x {
-        lora::XRows::Plain(v) | lora::XRows::Swiglu(v) => v.len(),
-    };
-    ensure!(xl >= m * xw && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: x, dy or dx smaller than [{m}, {xw}], [{m}, {n}], [{m}, {k}]");
+    let xw = x.width(k);
+    ensure!(x.len() >= m * xw && dy.len() >= m * n && dx.len() >= m * k, "matmul_dx_lora: x, dy or dx smaller than [{m}, {xw}], [{m}, {n}], [{m}, {k}]");
     let hp = host_pairs(pairs, k, n)?;
     for (p, (ga, gb)) in hp.iter().zip(grads.iter()) {
         ensure!(ga.len() == p.r * k && gb.len() == p.n_out * p.r, "matmul_dx_lora: gradient buffers do not match A [{}, {k}], B [{}, {}]", p.r, p.n_out, p.r);
@@ -408,10 +405,7 @@ impl TrainBackend for CpuBackend {
     fn matmul_dx_lora_swiglu(&self, dy: &CpuBuf, w: &CpuBuf, m: usize, n: usize, k: usize, dx: &mut CpuBuf, gate_up: &CpuBuf, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
         // fused on a one-tile bf16 weight, x's rows formed per block; else x made whole first
         let Some(pw) = w.bf16().and_then(|p| p.single()) else {
-            ensure!(gate_up.len() >= m * 2 * k, "matmul_dx_lora_swiglu: gate_up smaller than [{m}, {}]", 2 * k);
-            let mut x = vec![0f32; m * k].into();
-            self.swiglu(gate_up, m, k, &mut x)?;
-            return self.matmul_dx_lora(dy, w, m, n, k, dx, &x, pairs, grads);
+            return super::matmul_dx_lora_swiglu_separate(self, dy, w, m, n, k, dx, gate_up, pairs, grads);
         };
         fused_dx_lora(dy, pw, m, n, k, dx, lora::XRows::Swiglu(gate_up), pairs, grads)
     }
