@@ -14,9 +14,10 @@
 //! Numerics (docs/DESIGN.md §3): the CUDA backend's tensor-core attention — Q, K, V, the softmax
 //! numerators `exp(s − max)` (in the backward dO, dS and P) are rounded to bf16, every product sums in
 //! f32; scores, max, sum, lse, the normalisation and the gradients' accumulators are f32. The
-//! numerators' exp is a fused-multiply-add Cephes expf within 1 ulp (`x512::exp`) and their
-//! rounding `vcvtneps2bf16` (both 2–3× fewer instructions than the f32 path's bit-twin exp and
-//! emulated rounding; the softmax pass was ~38 % of a training forward's attention). Each
+//! numerators' exponential is in base 2 as in the CUDA kernels (`2^(s·scale·log2e − m)`, one fused
+//! multiply-add, then SLEEF's `exp2f` polynomial: `x512::exp2`, within 1 ulp) and their rounding
+//! `vcvtneps2bf16` (both 2–3× fewer instructions than the f32 path's bit-twin exp and emulated
+//! rounding; the softmax pass was ~38 % of a training forward's attention). Each
 //! output element's `tdpbf16ps` (or `vdpbf16ps`) sequence depends only on its own row and the key
 //! positions (keys go in 32-key steps from position 0; steps past a row's visible keys multiply
 //! zeros), so a row's result does not depend on the other rows, the query block or the batch (the
@@ -34,6 +35,7 @@ use super::gemm_bf16::{amx_available, vdp_available, Tiles};
 #[cfg(not(target_arch = "x86_64"))]
 use super::gemm_bf16::f32_to_bf16_bits;
 use std::cell::RefCell;
+use std::f32::consts::{LN_2, LOG2_E};
 
 /// Keys (or columns) per panel, rows per strip: the 32 × 32 sums of one AMX block (and the
 /// `vdpbf16ps` kernel's panel width).
@@ -72,7 +74,9 @@ pub fn to_pairs(src: &[f32], dst: &mut [u32]) {
 
 /// One softmax row: `e = exp(scale·x − scale·max)` over `row`, their bf16 values into `dst` (a
 /// pair-word row: its first `row.len()` halves, the rest untouched); with `WRITE` `row` is
-/// overwritten with e (f32). Returns (scale·max, Σ e in f32). `usable()` implies AVX-512.
+/// overwritten with e (f32). Returns the row's log-sum-exp of `scale·x` and Σ e (f32); computed in
+/// base 2 as the CUDA kernel does (e = 2^(x·scale·log2e − m), lse = (m + log2 Σ e)·ln 2).
+/// `usable()` implies AVX-512.
 #[inline]
 fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) -> (f32, f32) {
     let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
@@ -81,7 +85,8 @@ fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) 
     // Safety: AVX-512F/BW/VL are present wherever this attention runs (`usable`); `d` holds
     // `row.len()` halves.
     unsafe {
-        x512::softmax_row::<WRITE>(row.as_mut_ptr(), row.len(), scale, d.as_mut_ptr())
+        let (m, sum) = x512::softmax_row::<WRITE>(row.as_mut_ptr(), row.len(), scale * LOG2_E, d.as_mut_ptr());
+        ((m + sum.log2()) * LN_2, sum)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("usable() is false off x86_64")
@@ -89,33 +94,34 @@ fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) 
 
 #[cfg(target_arch = "x86_64")]
 mod x512 {
-    use crate::backend::cpu::simd::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
     use std::arch::x86_64::*;
 
     use crate::backend::cpu::gemm_bf16::round16;
 
-    /// exp of 16 lanes for the softmax numerators (arguments ≤ 0 up to rounding: scores less
-    /// their row's max, or less its log-sum-exp): Cephes expf's reduction and polynomial (the
-    /// constants of `simd::exp_lane`) on fused multiply-adds, 2ⁿ applied by `vscalefps`. 13
-    /// instructions where `simd::avx512::exp` takes 25; that one keeps the unfused order of the
-    /// scalar twin, whose bits the f32 attention needs. This attention has no scalar twin (it
-    /// runs only with AVX512_BF16), and the numerators are rounded to bf16 next.
-    /// `fast_exp_is_within_one_ulp` bounds the error.
+    /// 2^t of 16 lanes for the softmax numerators, whose exponents come in base 2 as in the CUDA
+    /// kernels (`exp2f(s·scale·log2e − m·log2e)`: the score's scaling and the shift are one fused
+    /// multiply-add): t = n + f with n = round(t), f = t − n exact, 2^f by SLEEF's degree-6
+    /// polynomial for `exp2f_u10` on fused multiply-adds, 2ⁿ applied by `vscalefps`. 10
+    /// instructions (the natural-log Cephes form before took 16: its two-part ln 2 reduction and
+    /// clamps). t is clamped below at −126 (2⁻¹²⁶, the smallest normal: −∞ gives it, a NaN stays
+    /// NaN); above 128 the result is +∞. `fast_exp2_is_within_one_ulp` bounds the error
+    /// (measured 0.83 ulp).
     #[inline(always)]
-    pub(super) unsafe fn exp(x: __m512) -> __m512 {
+    pub(super) unsafe fn exp2(t: __m512) -> __m512 {
         let ps = _mm512_set1_ps;
-        // max(lo, x) then min(hi, ·) keep a NaN input NaN
-        let v = _mm512_min_ps(ps(EXP_HI), _mm512_max_ps(ps(EXP_LO), x));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, ps(LOG2E)));
-        // r = v − n·ln 2, ln 2 = C1 + C2 (C1 short, so n·C1 is exact)
-        let r = _mm512_fnmadd_ps(n, ps(EXP_C2), _mm512_fnmadd_ps(n, ps(EXP_C1), v));
-        let mut y = ps(EXP_P[0]);
-        for &p in &EXP_P[1..] {
-            y = _mm512_fmadd_ps(y, r, ps(p));
+        // max(lo, t) keeps a NaN t NaN
+        let t = _mm512_max_ps(ps(-126.0), t);
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm512_sub_ps(t, n);
+        let mut y = ps(EXP2_P[0]);
+        for &p in &EXP2_P[1..] {
+            y = _mm512_fmadd_ps(y, f, ps(p));
         }
-        let y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), ps(1.0));
         _mm512_scalef_ps(y, n)
     }
+
+    /// SLEEF's `xexp2f` (u10, with FMA) coefficients, highest degree first: 2^f on [−½, ½].
+    const EXP2_P: [f32; 7] = [1.535_920_9e-4, 1.339_262_7e-3, 9.618_384_8e-3, 5.550_347_3e-2, 2.402_264_5e-1, 6.931_471_8e-1, 1.0];
 
     /// 16 f32 → bf16, round to nearest even (`vcvtneps2bf16`): `f32_to_bf16_bits` except that a
     /// denormal input gives ±0 (the instruction treats denormals as zero). Here that is a
@@ -154,11 +160,13 @@ mod x512 {
         }
     }
 
+    /// `softmax_row` with `scale` in base 2 (`scale·log2e`): returns (the row's max·scale in base
+    /// 2, Σ e).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub unsafe fn softmax_row<const WRITE: bool>(
         x: *mut f32,
         n: usize,
-        scale: f32,
+        scale2: f32,
         dst: *mut u16,
     ) -> (f32, f32) {
         let tail = (n % 16) as u32;
@@ -176,15 +184,12 @@ mod x512 {
                 _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), km, x.add(n16)),
             );
         }
-        let mx = _mm512_reduce_max_ps(m) * scale;
-        let (sc, sb) = (_mm512_set1_ps(scale), _mm512_set1_ps(mx));
+        let mx = _mm512_reduce_max_ps(m) * scale2;
+        let (sc, nb) = (_mm512_set1_ps(scale2), _mm512_set1_ps(-mx));
         let mut acc = _mm512_setzero_ps();
         let mut i = 0;
         while i < n16 {
-            let e = exp(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_loadu_ps(x.add(i)), sc),
-                sb,
-            ));
+            let e = exp2(_mm512_fmadd_ps(_mm512_loadu_ps(x.add(i)), sc, nb));
             acc = _mm512_add_ps(acc, e);
             if WRITE {
                 _mm512_storeu_ps(x.add(i), e);
@@ -193,10 +198,7 @@ mod x512 {
             i += 16;
         }
         if tail > 0 {
-            let e = exp(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_maskz_loadu_ps(km, x.add(n16)), sc),
-                sb,
-            ));
+            let e = exp2(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(km, x.add(n16)), sc, nb));
             let e = _mm512_maskz_mov_ps(km, e);
             acc = _mm512_add_ps(acc, e);
             if WRITE {
@@ -220,8 +222,9 @@ mod x512 {
     }
 
     /// Rows 2w and 2w+1 of one backward block over `kpad` keys (a multiple of 32): from the
-    /// scores `s[r]` and `dP` rows `dp[r]`, `P = exp(scale·s − lse)` on the row's `vis` keys and 0
-    /// past them, `dS = P ∘ (dP − di)`; writes dS as the row's bf16 values (`dsa[r]`, kpad halves)
+    /// scores `s[r]` and `dP` rows `dp[r]`, `P = 2^(scale2·s − lse2)` (= exp(scale·s − lse): both
+    /// in base 2) on the row's `vis` keys and 0 past them, `dS = P ∘ (dP − di)`; writes dS as the
+    /// row's bf16 values (`dsa[r]`, kpad halves)
     /// and P and dS zipped across the two rows (`pz`, `dsz`: panels of 32 keys, `wp` pair words
     /// of rows per key, this pair's at w). A row with `vis` 0 (past the block) gives zeros.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
@@ -230,14 +233,14 @@ mod x512 {
         s: [*const f32; 2],
         dp: [*const f32; 2],
         vis: [usize; 2],
-        lse: [f32; 2],
+        lse2: [f32; 2],
         di: [f32; 2],
-        scale: f32,
+        scale2: f32,
         kpad: usize,
         dsa: [*mut u16; 2],
         (pz, dsz, wp, w): (*mut u32, *mut u32, usize, usize),
     ) {
-        let sc = _mm512_set1_ps(scale);
+        let sc = _mm512_set1_ps(scale2);
         let mut c = 0;
         while c < kpad {
             let mut pb = [_mm512_setzero_si512(); 2];
@@ -246,9 +249,9 @@ mod x512 {
                 let k = lanes(vis[r], c);
                 let mut dh = _mm256_setzero_si256();
                 if k != 0 {
-                    // P = exp(scale·s − lse) as in `softmax_row`; dS as softmax_grad_row
+                    // P = 2^(s·scale2 − lse2) as in `softmax_row`; dS as softmax_grad_row
                     let x = _mm512_maskz_loadu_ps(k, s[r].add(c));
-                    let p = _mm512_maskz_mov_ps(k, exp(_mm512_sub_ps(_mm512_mul_ps(x, sc), _mm512_set1_ps(lse[r]))));
+                    let p = _mm512_maskz_mov_ps(k, exp2(_mm512_fmadd_ps(x, sc, _mm512_set1_ps(-lse2[r]))));
                     let d = _mm512_maskz_loadu_ps(k, dp[r].add(c));
                     let ds = _mm512_maskz_mov_ps(k, _mm512_mul_ps(p, _mm512_sub_ps(d, _mm512_set1_ps(di[r]))));
                     dh = bf16x16(ds);
@@ -451,7 +454,10 @@ impl Products {
 /// `C = A · B` for A's first `m` rows (`a`: strips of 32 rows, `lda` words per row) and B's first
 /// `panels` panels (`pstride` words apart), over `pairs` pairs (a multiple of 16), stored into `c`
 /// (row stride `ldc`), which holds `m` rounded up to 32 rows: AMX stores whole 32 × 32 blocks (A's
-/// zero rows give zero rows), `vdpbf16ps` the first `m` rows only; callers read those.
+/// zero rows give zero rows), `vdpbf16ps` the first `m` rows only; callers read those. The first
+/// `add` panels' columns are added to C instead (`C += A · B`: the tiles start from C's blocks, so
+/// a sum over blocks needs no pass of its own, and columns a sum has not reached yet are stored,
+/// so its accumulator needs no zeroing).
 #[allow(clippy::too_many_arguments)]
 pub fn product(
     pr: &Products,
@@ -464,6 +470,7 @@ pub fn product(
     pairs: usize,
     c: &mut [f32],
     ldc: usize,
+    add: usize,
 ) {
     let mp = m.next_multiple_of(T);
     assert!(pairs.is_multiple_of(16) && pairs <= lda && a.len() >= mp * lda);
@@ -478,7 +485,11 @@ pub fn product(
         if !pr.tiles.held() {
             // Safety: `Products::new` asserted AVX512_BF16 (no AMX here); the extents are
             // asserted above.
-            unsafe { super::gemm_bf16::vdp_product(a.as_ptr(), lda, m, b.as_ptr(), pstride, panels, pairs, c.as_mut_ptr(), ldc) };
+            unsafe {
+                let (a, b, c, add) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), add.min(panels));
+                super::gemm_bf16::vdp_product(a, lda, m, b, pstride, add, pairs, c, ldc, true);
+                super::gemm_bf16::vdp_product(a, lda, m, b.add(add * pstride), pstride, panels - add, pairs, c.add(add * T), ldc, false);
+            };
             return;
         }
         for s in (0..m).step_by(T) {
@@ -486,15 +497,13 @@ pub fn product(
                 // Safety: the tiles are configured (`pr`); the strip's 32 rows × `pairs` words, the
                 // panel's `pairs` × 32 words and the 32 × 32 block of C are inside the slices (asserted).
                 unsafe {
-                    amx::block_to(
-                        a.as_ptr().add(s * lda),
-                        lda,
-                        16, // row-major A: a 16-pair step is 16 words on
-                        b.as_ptr().add(p * pstride),
-                        pairs,
-                        c.as_mut_ptr().add(s * ldc + p * T),
-                        ldc,
-                    )
+                    let (a, b, c) = (a.as_ptr().add(s * lda), b.as_ptr().add(p * pstride), c.as_mut_ptr().add(s * ldc + p * T));
+                    // row-major A: a 16-pair step is 16 words on
+                    if p < add {
+                        amx::block_add(a, lda, 16, b, pairs, c, ldc)
+                    } else {
+                        amx::block_to(a, lda, 16, b, pairs, c, ldc)
+                    }
                 };
             }
         }
@@ -555,26 +564,26 @@ pub fn forward<'a>(
     let hp = pack_rows(&mut sc.qa, m, hd, q);
     // S = Q Kᵀ
     sc.s.resize(mp * kpad, 0.0);
-    product(pr, &sc.qa, hp, m, kt, hp * T, kpad / T, hp, &mut sc.s, kpad);
+    product(pr, &sc.qa, hp, m, kt, hp * T, kpad / T, hp, &mut sc.s, kpad, 0);
     // numerators e = exp(scale·s − max) in f32, rounded to bf16 as P·V's A operand; their f32 sum
     // normalises the output
     let kp = kpad / 2;
-    sc.pa.clear();
+    // every word of the first m rows is written below, the rows past them are zeroed
     sc.pa.resize(mp * kp, 0);
+    sc.pa[m * kp..].fill(0);
     sc.inv.resize(m, 0.0);
     for i in 0..m {
         let vis = visible(i);
-        let (mx, sum) = softmax_row::<false>(
-            &mut sc.s[i * kpad..i * kpad + vis],
-            scale,
-            &mut sc.pa[i * kp..(i + 1) * kp],
-        );
-        lse(i, mx + sum.ln());
+        let row: &mut [u32] = &mut sc.pa[i * kp..(i + 1) * kp];
+        let (l, sum) = softmax_row::<false>(&mut sc.s[i * kpad..i * kpad + vis], scale, row);
+        // the keys past the visible ones multiply zeros (a real V row may sit there)
+        bytemuck::cast_slice_mut::<u32, u16>(row)[vis..].fill(0);
+        lse(i, l);
         sc.inv[i] = 1.0 / sum;
     }
     // O = E V / sum
     sc.o.resize(mp * hd, 0.0);
-    product(pr, &sc.pa, kp, m, v, v_stride, hd / T, kp, &mut sc.o, hd);
+    product(pr, &sc.pa, kp, m, v, v_stride, hd / T, kp, &mut sc.o, hd, 0);
     for (o, &inv) in sc.o.chunks_exact_mut(hd).zip(&sc.inv) {
         o.iter_mut().for_each(|x| *x *= inv);
     }
@@ -642,14 +651,16 @@ pub struct BwdScratch {
     /// P and dS as B operands (pairs of query rows × 32-key panels)
     pz: Vec<u32>,
     dsz: Vec<u32>,
-    /// f32 blocks: P, dP → dS, dQ, dKᵀ/dVᵀ of the block
+    /// f32 blocks: P, dP → dS, dQ of the block
     p: Vec<f32>,
     ds: Vec<f32>,
     dq: Vec<f32>,
-    dkv: Vec<f32>,
-    /// dKᵀ, dVᵀ accumulators `[hd][n rounded up to 32]`
+    /// dKᵀ (unscaled: `scale` multiplies it once at the end), dVᵀ accumulators `[hd rounded up to
+    /// 32][n rounded up to 32]`, written in their first `seen` columns (a multiple of 32: the
+    /// blocks' products store the columns past it and add into those before it)
     pub dkt: Vec<f32>,
     pub dvt: Vec<f32>,
+    pub seen: usize,
 }
 
 thread_local! {
@@ -692,7 +703,9 @@ fn pack_transposed<'a>(dst: &mut Vec<u32>, m: usize, width: usize, row: impl Fn(
 /// (K, V as `pack_panels_rows`) and `sc.kc` (K as `pack_panels_cols`, panels `kc_stride` apart).
 /// `q(i)`, `dout(i)`, `o(i)`: row i's query, output gradient and forward output; `lse(i)` its
 /// log-sum-exp from the forward. Calls `dq(i, row)` with row i's query gradient and adds the
-/// block's key and value gradients into `sc.dkt`, `sc.dvt` (`[hd][ld]`, ld ≥ the keys seen).
+/// block's key gradient divided by `scale` (`Qᵀ dS`: the caller scales the sum once) and its value
+/// gradient into `sc.dkt`, `sc.dvt` (`[hd][ld]`, ld a multiple of 32 ≥ the keys seen; their
+/// columns past `sc.seen` are stored rather than added to, and `sc.seen` grows to the keys seen).
 /// P is recomputed from the lse on the same bf16 operands as the forward; dO and dS are rounded
 /// to bf16 as they enter a product, the accumulators are f32.
 #[allow(clippy::too_many_arguments)]
@@ -719,9 +732,9 @@ pub fn backward<'a>(
     // S = Q Kᵀ (into p), dP = dO Vᵀ (into ds)
     sc.p.resize(mp * kpad, 0.0);
     sc.ds.resize(mp * kpad, 0.0);
-    product(pr, &sc.qa, hp, m, &sc.kt, hp * T, kpad / T, hp, &mut sc.p, kpad);
-    product(pr, &sc.doa, hp, m, &sc.vt, hp * T, kpad / T, hp, &mut sc.ds, kpad);
-    // P = exp(scale·S − lse), dS = P ∘ (dP − dO·O), zero past the visible keys and the rows; dS
+    product(pr, &sc.qa, hp, m, &sc.kt, hp * T, kpad / T, hp, &mut sc.p, kpad, 0);
+    product(pr, &sc.doa, hp, m, &sc.vt, hp * T, kpad / T, hp, &mut sc.ds, kpad, 0);
+    // P = exp(scale·S − lse) (in base 2: `bwd_pair`), dS = P ∘ (dP − dO·O), zero past the visible keys and the rows; dS
     // as pair words along the keys (dQ's A operand), P and dS zipped across row pairs (the B
     // operands of dVᵀ and dKᵀ), in one pass over each pair of rows
     let (kp, wp) = (kpad / 2, mp / 2);
@@ -731,7 +744,7 @@ pub fn backward<'a>(
     for w in 0..wp {
         let rows = [2 * w, 2 * w + 1];
         let vis = rows.map(|i| if i < m { visible(i) } else { 0 });
-        let l = rows.map(|i| if i < m { lse(i) } else { 0.0 });
+        let l = rows.map(|i| if i < m { lse(i) * LOG2_E } else { 0.0 });
         let di = rows.map(|i| if i < m { super::simd::dot(&dout(i)[..hd], &o(i)[..hd]) } else { 0.0 });
         #[cfg(target_arch = "x86_64")]
         // Safety: AVX-512F/BW wherever this attention runs (`usable`); rows 2w, 2w + 1 < mp of the
@@ -744,7 +757,7 @@ pub fn backward<'a>(
                 vis,
                 l,
                 di,
-                scale,
+                scale * LOG2_E,
                 kpad,
                 rows.map(|i| dsa.add(i * kpad)),
                 (sc.pz.as_mut_ptr(), sc.dsz.as_mut_ptr(), wp, w),
@@ -753,29 +766,21 @@ pub fn backward<'a>(
     }
     // dQ = scale · dS K
     sc.dq.resize(mp * hd, 0.0);
-    product(pr, &sc.dsa, kp, m, &sc.kc, kc_stride, hd / T, kp, &mut sc.dq, hd);
+    product(pr, &sc.dsa, kp, m, &sc.kc, kc_stride, hd / T, kp, &mut sc.dq, hd, 0);
     for i in 0..m {
         let row = &mut sc.dq[i * hd..(i + 1) * hd];
         row.iter_mut().for_each(|x| *x *= scale);
         dq(i, row);
     }
-    // dKᵀ += scale · Qᵀ dS, dVᵀ += dOᵀ P (reductions over the block's rows)
+    // dKᵀ += Qᵀ dS (scaled once, after the last block: `scale_dk`), dVᵀ += dOᵀ P: reductions
+    // over the block's rows, added into the accumulators by the products themselves
     pack_transposed(&mut sc.qt, m, hd, &q);
     pack_transposed(&mut sc.dot, m, hd, &dout);
     let zs = wp * T;
-    sc.dkv.resize(hd.next_multiple_of(T) * kpad, 0.0);
-    product(pr, &sc.qt, wp, hd, &sc.dsz, zs, kpad / T, wp, &mut sc.dkv, kpad);
-    for c in 0..hd {
-        for (a, &b) in sc.dkt[c * ld..c * ld + kpad].iter_mut().zip(&sc.dkv[c * kpad..(c + 1) * kpad]) {
-            *a += scale * b;
-        }
-    }
-    product(pr, &sc.dot, wp, hd, &sc.pz, zs, kpad / T, wp, &mut sc.dkv, kpad);
-    for c in 0..hd {
-        for (a, &b) in sc.dvt[c * ld..c * ld + kpad].iter_mut().zip(&sc.dkv[c * kpad..(c + 1) * kpad]) {
-            *a += b;
-        }
-    }
+    let add = sc.seen / T;
+    product(pr, &sc.qt, wp, hd, &sc.dsz, zs, kpad / T, wp, &mut sc.dkt, ld, add);
+    product(pr, &sc.dot, wp, hd, &sc.pz, zs, kpad / T, wp, &mut sc.dvt, ld, add);
+    sc.seen = sc.seen.max(kpad);
 }
 
 /// `dst[j·ldd + c] = src[c·lds + j]` for c < `rows`, j < `cols`: the `[hd][keys]` gradient
@@ -893,13 +898,13 @@ mod tests {
         }
     }
 
-    /// The softmax numerators' exp (`x512::exp`: fused multiply-adds, `vscalefps`) against f64
-    /// over its whole domain: within 1 ulp (measured: 0.997) wherever the result is a normal f32 (arguments down to
-    /// the clamp at −87.34, ~2⁻¹²⁶), exactly 1 at 0, NaN kept, −∞ clamped to the smallest value;
+    /// The softmax numerators' 2^t (`x512::exp2`: fused multiply-adds, `vscalefps`) against f64
+    /// over its whole domain: within 1 ulp (measured: 0.83) wherever the result is a normal f32
+    /// (t down to the clamp at −126), exactly 1 at 0, NaN kept, −∞ and t < −126 clamped to 2⁻¹²⁶;
     /// and `x512::bf16x16` (`vcvtneps2bf16`) against `f32_to_bf16_bits` (nearest even) on normal
     /// values and NaN, ±0 for denormals.
     #[test]
-    fn fast_exp_is_within_one_ulp() {
+    fn fast_exp2_is_within_one_ulp() {
         if not_here() {
             return;
         }
@@ -911,7 +916,7 @@ mod tests {
             unsafe fn run(x: &[f32; 16]) -> ([f32; 16], [u16; 16]) {
                 let v = _mm512_loadu_ps(x.as_ptr());
                 let (mut e, mut h) = ([0f32; 16], [0u16; 16]);
-                _mm512_storeu_ps(e.as_mut_ptr(), super::x512::exp(v));
+                _mm512_storeu_ps(e.as_mut_ptr(), super::x512::exp2(v));
                 _mm256_storeu_si256(h.as_mut_ptr() as *mut __m256i, super::x512::bf16x16(v));
                 (e, h)
             }
@@ -922,15 +927,17 @@ mod tests {
             };
             let mut worst = (0f64, 0f32);
             let mut rng = Rng::new(11);
-            let mut xs: Vec<f32> = (0..1 << 20).map(|i| -87.0 * (i as f32) / (1 << 20) as f32).collect();
-            xs.extend((0..1 << 16).map(|_| -(rng.next_f64() as f32) * 87.0));
+            let mut xs: Vec<f32> = (0..1 << 21).map(|i| -126.0 * (i as f32) / (1 << 21) as f32).collect();
+            xs.extend((0..1 << 16).map(|_| -(rng.next_f64() as f32) * 126.0));
+            // slightly positive: a numerator's argument rounds a little above 0
+            xs.extend((0..1 << 12).map(|_| (rng.next_f64() as f32) * 1e-5));
             xs.extend((0..1 << 12).map(|_| -(rng.next_f64() as f32) * 1e-3));
             for c in xs.chunks(16) {
                 let mut x = [0f32; 16];
                 x[..c.len()].copy_from_slice(c);
                 let (e, h) = unsafe { run(&x) };
                 for (l, (&xi, &ei)) in x.iter().zip(&e).enumerate().take(c.len()) {
-                    let want = (xi as f64).exp();
+                    let want = (xi as f64).exp2();
                     let u = ulp(ei, want);
                     if u > worst.0 {
                         worst = (u, xi);
@@ -938,7 +945,8 @@ mod tests {
                     assert_eq!(h[l], f32_to_bf16_bits(xi), "bf16 of {xi}");
                 }
             }
-            assert!(worst.0 <= 1.0, "exp is {} ulp off at {}", worst.0, worst.1);
+            eprintln!("exp2: at most {:.3} ulp (at {})", worst.0, worst.1);
+            assert!(worst.0 <= 1.0, "exp2 is {} ulp off at {}", worst.0, worst.1);
             let mut x = [0f32; 16];
             x[1] = f32::NAN;
             x[2] = f32::NEG_INFINITY;
@@ -946,10 +954,13 @@ mod tests {
             x[4] = -1e-40;
             x[5] = 3.0e38;
             x[6] = -0.0;
+            x[7] = -200.0;
+            x[8] = -1.0;
             let (e, h) = unsafe { run(&x) };
             assert_eq!(e[0], 1.0);
             assert!(e[1].is_nan() && h[1] & 0x7fff > 0x7f80, "NaN: exp {} bf16 {:#x}", e[1], h[1]);
-            assert!(e[2] > 0.0 && e[2] < 1.2e-38, "exp(−∞) clamps to exp(−87.34): {}", e[2]);
+            assert_eq!((e[2], e[7]), (2f32.powi(-126), 2f32.powi(-126)), "2^−∞ and 2^−200 clamp to 2^−126");
+            assert_eq!(e[8], 0.5);
             assert_eq!((h[3], h[4]), (0, 0x8000), "denormals to ±0");
             assert_eq!(h[5], f32_to_bf16_bits(3.0e38));
             assert_eq!((e[6], h[6]), (1.0, 0x8000));

@@ -211,10 +211,10 @@ fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs
             bf16_attn::pack_panels_rows(&mut sc.vt, n, hd, vrow);
             let ks = bf16_attn::pack_panels_cols(&mut sc.kc, n, hd, krow);
             let ld = n.next_multiple_of(bf16_attn::T);
-            for acc in [&mut sc.dkt, &mut sc.dvt] {
-                acc.clear();
-                acc.resize(hd * ld, 0.0);
-            }
+            // no zeroing: each block's products store the columns no block has reached yet
+            sc.dkt.resize(hd * ld, 0.0);
+            sc.dvt.resize(hd * ld, 0.0);
+            sc.seen = 0;
             let mut r0 = 0;
             while r0 < n {
                 let bq = BQ.min(n - r0);
@@ -254,6 +254,10 @@ fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs
                 bf16_attn::backward(&pr, sc, ks, hd, ld, group * bq, q, d_o, o, l, |i| r0 + i % bq + 1, scale, dq);
                 r0 += bq;
             }
+            // every key's column is written (the last block sees them all)
+            assert!(sc.seen >= n, "attention backward: {} of {n} keys' gradients written", sc.seen);
+            // dK = scale · Σ over the blocks of Qᵀ dS
+            sc.dkt[..hd * ld].iter_mut().for_each(|x| *x *= scale);
             // Safety: this sequence's rows, this kv head's K and V columns: this task's only
             unsafe {
                 let dk = dp.get().add(s.row0 * width + kcol);

@@ -1462,7 +1462,7 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
 /// `C = A · B` on the `vdpbf16ps` kernel, for operands in the AMX layout (`attention_bf16`): A's
 /// first `m` rows of `pairs` pair words (row stride `lda`), `panels` panels of B (`pstride` words
 /// apart, `[pairs][NR]` each), C's `m` × `panels·NR` block stored (row stride `ldc`; its rows
-/// past `m` untouched). One k block from +0, so each element is the kernel's pair sequence over
+/// past `m` untouched), or with `add` added to C (`C += A · B`). One k block from +0, so each element is the kernel's pair sequence over
 /// `pairs` (the module doc), whatever `m` and its row's place in it. Strips of MR rows under one panel at a time (the
 /// panel stays in L1 while the strips pass).
 ///
@@ -1470,7 +1470,7 @@ fn step_exact(acc: f32, x: f32, w: f32) -> f32 {
 /// AVX512_BF16 present; the extents are inside the caller's buffers.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn vdp_product(a: *const u32, lda: usize, m: usize, b: *const u32, pstride: usize, panels: usize, pairs: usize, c: *mut f32, ldc: usize) {
+pub(crate) unsafe fn vdp_product(a: *const u32, lda: usize, m: usize, b: *const u32, pstride: usize, panels: usize, pairs: usize, c: *mut f32, ldc: usize, add: bool) {
     for p in 0..panels {
         let mut i = 0;
         while i < m {
@@ -1486,7 +1486,7 @@ pub(crate) unsafe fn vdp_product(a: *const u32, lda: usize, m: usize, b: *const 
                 c: c.add(i * ldc + p * NR),
                 ldc,
                 cols: NR,
-                overwrite: true,
+                overwrite: !add,
                 bias: std::ptr::null(),
                 first: false,
             };
@@ -1549,8 +1549,34 @@ pub(crate) mod amx {
 
     /// `block` storing the 32 × 32 sums at `c` (row stride `ldc` f32), all 32 rows and columns.
     pub unsafe fn block_to(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
+        block_into::<false>(a, lda, astep, b, kb, c, ldc);
+    }
+
+    /// `block_to` adding the sums to the 32 × 32 block at `c` instead: the tiles start from C's
+    /// values (loaded), so no separate pass reads the sums back to add them.
+    pub unsafe fn block_add(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
+        block_into::<true>(a, lda, astep, b, kb, c, ldc);
+    }
+
+    #[inline(always)]
+    unsafe fn block_into<const ADD: bool>(a: *const u32, lda: usize, astep: usize, b: *const u32, kb: usize, c: *mut f32, ldc: usize) {
         debug_assert!(kb % 16 == 0);
-        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        if ADD {
+            asm!(
+                "tileloadd tmm0, [{c0} + {sc}*1]",
+                "tileloadd tmm1, [{c1} + {sc}*1]",
+                "tileloadd tmm2, [{c2} + {sc}*1]",
+                "tileloadd tmm3, [{c3} + {sc}*1]",
+                c0 = in(reg) c,
+                c1 = in(reg) c.add(16),
+                c2 = in(reg) c.add(16 * ldc),
+                c3 = in(reg) c.add(16 * ldc + 16),
+                sc = in(reg) ldc * 4,
+                options(nostack, readonly),
+            );
+        } else {
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        }
         let mut s = 0;
         while s < kb {
             asm!(

@@ -747,7 +747,7 @@ unsafe fn pair_products(m: usize, a: *const f32, a_rs: usize, a_cs: usize, outs:
                     if h == (hi - 1 - 32 * p) / 16 {
                         x512::vdp_half(sa, pairs, rows, sb.add(16 * h), kb, sums.0.as_mut_ptr().add(16 * h), 32);
                     } else {
-                        vdp_product(sa, pairs, rows, sb, pairs * 32, 1, kb, sums.0.as_mut_ptr(), 32);
+                        vdp_product(sa, pairs, rows, sb, pairs * 32, 1, kb, sums.0.as_mut_ptr(), 32, false);
                     }
                 }
                 for r in 0..rows {
