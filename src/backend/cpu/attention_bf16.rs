@@ -772,8 +772,8 @@ pub fn backward<'a>(
         row.iter_mut().for_each(|x| *x *= scale);
         dq(i, row);
     }
-    // dKᵀ += Qᵀ dS (scaled once, after the last block: `scale_dk`), dVᵀ += dOᵀ P: reductions
-    // over the block's rows, added into the accumulators by the products themselves
+    // dKᵀ += Qᵀ dS (the caller scales the sum once, after the last block), dVᵀ += dOᵀ P:
+    // reductions over the block's rows, added into the accumulators by the products themselves
     pack_transposed(&mut sc.qt, m, hd, &q);
     pack_transposed(&mut sc.dot, m, hd, &dout);
     let zs = wp * T;
