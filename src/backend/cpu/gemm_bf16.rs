@@ -1347,7 +1347,8 @@ impl Tile {
         #[cfg(target_arch = "x86_64")]
         if micro == Micro::Avx512 {
             // A task's first strip streams its panels from memory: with one or two panel streams
-            // (≥ 3 rows) software prefetch 4 KiB ahead helps (decode with 8 rows: +15–25 %);
+            // (≥ 3 rows) software prefetch helps (decode with 8 rows: +15–25 % on a Zen 5, and
+            // +8–14 % more on a Zen 4 with the prefetch into L2, `kernel`);
             // four streams (1–2 rows) keep the hardware prefetchers busy enough.
             if self.first && p <= 2 {
                 avx512::dispatch::<true>(self, rows, p);
@@ -1753,10 +1754,14 @@ mod avx512 {
     }
 
     /// R rows × P panels: R·P·2 accumulators of 16 columns; per pair P·2 weight vectors and R
-    /// broadcasts of the rows' pairs. PF: prefetch the panels PF_PAIRS pairs ahead.
+    /// broadcasts of the rows' pairs. PF: prefetch the panels PF_PAIRS pairs ahead into L2.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn kernel<const R: usize, const P: usize, const PF: bool>(t: &Tile) {
-        const PF_PAIRS: usize = 32;
+        // 6 KiB ahead into L2 (T1): on a Zen 4, 8-row decode products take as long on their
+        // vdpbf16ps as on their bytes, and T0 at 4 KiB (tuned on a Zen 5) left the two barely
+        // overlapped: 8 rows × 576 × 3072 from DRAM 16 → 21–22 GiB/s on one thread, 24–26 →
+        // 30–31 on two; 64 or 96 pairs ahead no better (docs/RESULTS.md, 2026-12-06, Zen 4)
+        const PF_PAIRS: usize = 48;
         let mut acc = [[[_mm512_setzero_ps(); 2]; P]; R];
         for q in 0..t.kb {
             let mut bv: [[__m512bh; 2]; P] = std::mem::zeroed();
@@ -1764,8 +1769,8 @@ mod avx512 {
                 let bp = t.b.add(p * t.pstride + q * NR);
                 if PF {
                     // past the panel's end this is the next panel (or nothing: only a hint)
-                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(PF_PAIRS * NR) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(PF_PAIRS * NR + 16) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(bp.wrapping_add(PF_PAIRS * NR) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(bp.wrapping_add(PF_PAIRS * NR + 16) as *const i8);
                 }
                 v[0] = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp as *const _));
                 v[1] = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(16) as *const _));
