@@ -270,64 +270,50 @@ mod peak {
     /// Independent accumulators: more than latency × throughput (6 cycles × 2 per cycle).
     pub const ACC: usize = 16;
 
-    /// 16 accumulators in zmm0–15, written in assembly: with intrinsics over an array of
-    /// accumulators rustc kept them on the stack (a load and a store around every `vdpbf16ps`),
-    /// which measured 182 GFLOP/s on a Zen 4 whose GEMM runs 420.
+    /// `op zmm_i, w, x` on 16 accumulators in zmm0–15, 16 per iteration, `iters` times, then
+    /// the 16 folded into one so that none of the work is dead. In assembly: with intrinsics
+    /// over an array of accumulators rustc kept them on the stack (a load and a store around
+    /// every `vdpbf16ps`), which measured 182 GFLOP/s on a Zen 4 whose GEMM runs 420.
+    macro_rules! peak_loop {
+        ($op:literal, $w:expr, $x:expr, $iters:expr) => {{
+            let sum: __m512;
+            std::arch::asm!(
+                "vxorps zmm0, zmm0, zmm0", "vmovaps zmm1, zmm0", "vmovaps zmm2, zmm0", "vmovaps zmm3, zmm0",
+                "vmovaps zmm4, zmm0", "vmovaps zmm5, zmm0", "vmovaps zmm6, zmm0", "vmovaps zmm7, zmm0",
+                "vmovaps zmm8, zmm0", "vmovaps zmm9, zmm0", "vmovaps zmm10, zmm0", "vmovaps zmm11, zmm0",
+                "vmovaps zmm12, zmm0", "vmovaps zmm13, zmm0", "vmovaps zmm14, zmm0", "vmovaps zmm15, zmm0",
+                "2:",
+                concat!($op, " zmm0, {w}, {x}"), concat!($op, " zmm1, {w}, {x}"), concat!($op, " zmm2, {w}, {x}"), concat!($op, " zmm3, {w}, {x}"),
+                concat!($op, " zmm4, {w}, {x}"), concat!($op, " zmm5, {w}, {x}"), concat!($op, " zmm6, {w}, {x}"), concat!($op, " zmm7, {w}, {x}"),
+                concat!($op, " zmm8, {w}, {x}"), concat!($op, " zmm9, {w}, {x}"), concat!($op, " zmm10, {w}, {x}"), concat!($op, " zmm11, {w}, {x}"),
+                concat!($op, " zmm12, {w}, {x}"), concat!($op, " zmm13, {w}, {x}"), concat!($op, " zmm14, {w}, {x}"), concat!($op, " zmm15, {w}, {x}"),
+                "dec {n}", "jnz 2b",
+                "vaddps zmm0, zmm0, zmm1", "vaddps zmm2, zmm2, zmm3", "vaddps zmm4, zmm4, zmm5", "vaddps zmm6, zmm6, zmm7",
+                "vaddps zmm8, zmm8, zmm9", "vaddps zmm10, zmm10, zmm11", "vaddps zmm12, zmm12, zmm13", "vaddps zmm14, zmm14, zmm15",
+                "vaddps zmm0, zmm0, zmm2", "vaddps zmm4, zmm4, zmm6", "vaddps zmm8, zmm8, zmm10", "vaddps zmm12, zmm12, zmm14",
+                "vaddps zmm0, zmm0, zmm4", "vaddps zmm8, zmm8, zmm12", "vaddps zmm0, zmm0, zmm8",
+                w = in(zmm_reg) $w, x = in(zmm_reg) $x, n = inout(reg) $iters.max(1) => _,
+                out("zmm0") sum, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                options(nomem, nostack),
+            );
+            _mm512_reduce_add_ps(sum)
+        }};
+    }
+
+    /// `vdpbf16ps`: 16 lanes × 2 products (4 FLOPs per lane).
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub unsafe fn bf16(iters: usize) -> f32 {
         let w = _mm512_set1_epi32(0x3f80_3f80); // bf16 pairs (1, 1)
         let x = _mm512_set1_epi32(0x3c00_3c00); // (2⁻⁷, 2⁻⁷)
-        let sum: __m512;
-        std::arch::asm!(
-            "vxorps zmm0, zmm0, zmm0", "vmovaps zmm1, zmm0", "vmovaps zmm2, zmm0", "vmovaps zmm3, zmm0",
-            "vmovaps zmm4, zmm0", "vmovaps zmm5, zmm0", "vmovaps zmm6, zmm0", "vmovaps zmm7, zmm0",
-            "vmovaps zmm8, zmm0", "vmovaps zmm9, zmm0", "vmovaps zmm10, zmm0", "vmovaps zmm11, zmm0",
-            "vmovaps zmm12, zmm0", "vmovaps zmm13, zmm0", "vmovaps zmm14, zmm0", "vmovaps zmm15, zmm0",
-            "2:",
-            "vdpbf16ps zmm0, {w}, {x}", "vdpbf16ps zmm1, {w}, {x}", "vdpbf16ps zmm2, {w}, {x}", "vdpbf16ps zmm3, {w}, {x}",
-            "vdpbf16ps zmm4, {w}, {x}", "vdpbf16ps zmm5, {w}, {x}", "vdpbf16ps zmm6, {w}, {x}", "vdpbf16ps zmm7, {w}, {x}",
-            "vdpbf16ps zmm8, {w}, {x}", "vdpbf16ps zmm9, {w}, {x}", "vdpbf16ps zmm10, {w}, {x}", "vdpbf16ps zmm11, {w}, {x}",
-            "vdpbf16ps zmm12, {w}, {x}", "vdpbf16ps zmm13, {w}, {x}", "vdpbf16ps zmm14, {w}, {x}", "vdpbf16ps zmm15, {w}, {x}",
-            "dec {n}", "jnz 2b",
-            // fold the accumulators so that none of the work is dead
-            "vaddps zmm0, zmm0, zmm1", "vaddps zmm2, zmm2, zmm3", "vaddps zmm4, zmm4, zmm5", "vaddps zmm6, zmm6, zmm7",
-            "vaddps zmm8, zmm8, zmm9", "vaddps zmm10, zmm10, zmm11", "vaddps zmm12, zmm12, zmm13", "vaddps zmm14, zmm14, zmm15",
-            "vaddps zmm0, zmm0, zmm2", "vaddps zmm4, zmm4, zmm6", "vaddps zmm8, zmm8, zmm10", "vaddps zmm12, zmm12, zmm14",
-            "vaddps zmm0, zmm0, zmm4", "vaddps zmm8, zmm8, zmm12", "vaddps zmm0, zmm0, zmm8",
-            w = in(zmm_reg) w, x = in(zmm_reg) x, n = inout(reg) iters.max(1) => _,
-            out("zmm0") sum, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-            options(nomem, nostack),
-        );
-        _mm512_reduce_add_ps(sum)
+        peak_loop!("vdpbf16ps", w, x, iters)
     }
 
-    /// The same loop on f32 FMAs (two FLOPs per lane).
+    /// f32 FMAs (two FLOPs per lane).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn fma(iters: usize) -> f32 {
         let (w, x) = (_mm512_set1_ps(1.0), _mm512_set1_ps(1.0 / 128.0));
-        let sum: __m512;
-        std::arch::asm!(
-            "vxorps zmm0, zmm0, zmm0", "vmovaps zmm1, zmm0", "vmovaps zmm2, zmm0", "vmovaps zmm3, zmm0",
-            "vmovaps zmm4, zmm0", "vmovaps zmm5, zmm0", "vmovaps zmm6, zmm0", "vmovaps zmm7, zmm0",
-            "vmovaps zmm8, zmm0", "vmovaps zmm9, zmm0", "vmovaps zmm10, zmm0", "vmovaps zmm11, zmm0",
-            "vmovaps zmm12, zmm0", "vmovaps zmm13, zmm0", "vmovaps zmm14, zmm0", "vmovaps zmm15, zmm0",
-            "2:",
-            "vfmadd231ps zmm0, {w}, {x}", "vfmadd231ps zmm1, {w}, {x}", "vfmadd231ps zmm2, {w}, {x}", "vfmadd231ps zmm3, {w}, {x}",
-            "vfmadd231ps zmm4, {w}, {x}", "vfmadd231ps zmm5, {w}, {x}", "vfmadd231ps zmm6, {w}, {x}", "vfmadd231ps zmm7, {w}, {x}",
-            "vfmadd231ps zmm8, {w}, {x}", "vfmadd231ps zmm9, {w}, {x}", "vfmadd231ps zmm10, {w}, {x}", "vfmadd231ps zmm11, {w}, {x}",
-            "vfmadd231ps zmm12, {w}, {x}", "vfmadd231ps zmm13, {w}, {x}", "vfmadd231ps zmm14, {w}, {x}", "vfmadd231ps zmm15, {w}, {x}",
-            "dec {n}", "jnz 2b",
-            "vaddps zmm0, zmm0, zmm1", "vaddps zmm2, zmm2, zmm3", "vaddps zmm4, zmm4, zmm5", "vaddps zmm6, zmm6, zmm7",
-            "vaddps zmm8, zmm8, zmm9", "vaddps zmm10, zmm10, zmm11", "vaddps zmm12, zmm12, zmm13", "vaddps zmm14, zmm14, zmm15",
-            "vaddps zmm0, zmm0, zmm2", "vaddps zmm4, zmm4, zmm6", "vaddps zmm8, zmm8, zmm10", "vaddps zmm12, zmm12, zmm14",
-            "vaddps zmm0, zmm0, zmm4", "vaddps zmm8, zmm8, zmm12", "vaddps zmm0, zmm0, zmm8",
-            w = in(zmm_reg) w, x = in(zmm_reg) x, n = inout(reg) iters.max(1) => _,
-            out("zmm0") sum, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-            options(nomem, nostack),
-        );
-        _mm512_reduce_add_ps(sum)
+        peak_loop!("vfmadd231ps", w, x, iters)
     }
 
     /// 12 of the 16 ymm registers: more than latency × throughput (4–5 cycles × 2 per cycle).
