@@ -25,7 +25,7 @@
 //! its panels: per pair 2 weight vectors, and per row a 32-bit broadcast and 2 `vdpbf16ps` (12 × 2
 //! accumulators + 2 + 1 of the 32 zmm registers; latency ~6 cycles at 2 per cycle needs ≥ 12
 //! independent accumulators). Short strips (decode, m ≤ 4) take 2 or 4 panels per call to keep
-//! 8–16 accumulators busy, and a task's first strip prefetches its panels 4 KiB ahead when it
+//! 8–16 accumulators busy, and a task's first strip prefetches its panels 6 KiB ahead into L2 when it
 //! reads one or two panel streams. Every weight byte is read from memory once per call. Tasks
 //! (runs of panels × row ranges, ~4 per thread) go to rayon; decode (one strip) splits columns.
 //!
