@@ -267,7 +267,8 @@ fn machine(c: &mut Criterion) {
 #[cfg(target_arch = "x86_64")]
 mod peak {
     use std::arch::x86_64::*;
-    /// Independent accumulators: more than latency × throughput (6 cycles × 2 per cycle).
+    /// The accumulators `peak_loop!` spells out (zmm0–15; the FLOP counts multiply by this, so
+    /// it must match the assembly): more than latency × throughput (6 cycles × 2 per cycle).
     pub const ACC: usize = 16;
 
     /// `op zmm_i, w, x` on 16 accumulators in zmm0–15, 16 per iteration, `iters` times, then
