@@ -93,7 +93,10 @@ fn shared_prefix_equals_naive() {
 }
 
 /// With n = 8 the prefill tokens computed equal the analytic count: per (query, step) the shared
-/// prefix once plus each rollout's own suffix, plus the final prompt's prefix once per query.
+/// prefix once plus each rollout's own suffix, plus the final prompt's prefix once per query. A
+/// memory update's shared prefix runs as far as the group's prompts agree, less the last token
+/// (at the first chunk, where every memory is the empty one, that is all but the last token); a
+/// final answer's is the template's `[head, question]`.
 #[test]
 fn prefill_saving_matches_analytic_value() {
     let (_t, dir) = tiny_with_tokenizer("llama");
@@ -108,7 +111,19 @@ fn prefill_saving_matches_analytic_value() {
         for c in 0..k {
             let pf = g[0].turns[c].prefix_len;
             assert!(g.iter().all(|t| t.turns[c].prefix_len == pf && t.turns[c].conv.prompt[..pf] == g[0].turns[c].conv.prompt[..pf]));
-            shared += pf + g.iter().map(|t| t.turns[c].conv.prompt.len() - pf).sum::<usize>();
+            let first = &g[0].turns[c].conv.prompt;
+            let len = if g[0].turns[c].kind == ConvKind::Final {
+                pf
+            } else {
+                let agree = |p: &Vec<u32>| first.iter().zip(p).take_while(|(a, b)| a == b).count();
+                g.iter().map(|t| agree(&t.turns[c].conv.prompt).min(t.turns[c].conv.prompt.len() - 1)).min().unwrap()
+            };
+            if c == 0 {
+                assert!(g.iter().all(|t| t.turns[0].conv.prompt == *first), "every rollout starts from the same prompt");
+                assert_eq!(len, first.len() - 1);
+            }
+            assert!(len >= pf);
+            shared += len + g.iter().map(|t| t.turns[c].conv.prompt.len() - len).sum::<usize>();
             naive += g.iter().map(|t| t.turns[c].conv.prompt.len()).sum::<usize>();
         }
         assert_eq!(g[0].turns.last().unwrap().kind, ConvKind::Final);

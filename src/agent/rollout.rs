@@ -2,9 +2,10 @@
 //! updates, one final answer), batched across all live conversations of all groups.
 //!
 //! All queries advance in lockstep over the chunk index `t`. At each `t`, the shared prefix
-//! `[template head, question, section c_t]` of every query is prefilled once and forked
-//! (copy-on-write) by its `n` rollouts, which then read only their own `[memory, tail]` and
-//! generate. The final prompt's prefix `[head, question]` is prefilled once per query and kept:
+//! `[template head, question, section c_t]` of every query — and on as far as its rollouts'
+//! prompts agree: at `t = 0`, where every memory is the empty one, all but the last token — is
+//! prefilled once and forked (copy-on-write) by its `n` rollouts, which then read only the rest
+//! (`[memory, tail]`) and generate. The final prompt's prefix `[head, question]` is prefilled once per query and kept:
 //! the final conversations fork it, `L(∅)` is scored from it once per query, and the memory curve
 //! (optional) scores `L(M_t)` from it after every chunk. `L(M_K)` extends the cache of the final
 //! prompt (kept after answering, truncated before the answer) by the gold tokens.
@@ -387,18 +388,27 @@ fn generate_step<B: Backend>(
     st: &mut RolloutStats,
 ) -> Result<(Vec<(Pending, GenOutput)>, f64)> {
     let t_gen = Instant::now();
-    let sec_prefix = prefill_section_prefixes(cx, kv, prep, step, st)?;
+    let live: Vec<(usize, ConvKind)> = step.updates.iter().map(|&q| (q, ConvKind::Update)).chain(step.finals.iter().map(|&q| (q, ConvKind::Final))).collect();
+    let prompts: Vec<Vec<(Vec<u32>, usize)>> = live
+        .iter()
+        .map(|&(q, kind)| {
+            let p = &prep[q];
+            states[q]
+                .iter()
+                .map(|s| if kind == ConvKind::Final { cx.fin.build(&p.q_ids, &[], &s.mem_ids) } else { cx.upd.build(&p.q_ids, &p.chunks[step.t], &s.mem_ids) })
+                .collect()
+        })
+        .collect();
+    let sec_prefix = prefill_section_prefixes(cx, kv, &live, &prompts, st)?;
     let mut reqs = Vec::new();
     let mut pending = Vec::new();
-    let live = step.updates.iter().map(|&q| (q, ConvKind::Update)).chain(step.finals.iter().map(|&q| (q, ConvKind::Final)));
-    for (q, kind) in live {
-        let p = &prep[q];
+    for ((&(q, kind), group), sec) in live.iter().zip(prompts).zip(&sec_prefix) {
         let is_final = kind == ConvKind::Final;
-        for (i, s) in states[q].iter_mut().enumerate() {
-            let (ids, pf) = if is_final { cx.fin.build(&p.q_ids, &[], &s.mem_ids) } else { cx.upd.build(&p.q_ids, &p.chunks[step.t], &s.mem_ids) };
-            let base = if is_final { &final_prefix[q] } else { &sec_prefix[q] };
+        for (i, (s, (ids, pf))) in states[q].iter_mut().zip(group).enumerate() {
+            // an update reads on from its section prefix, a final answer from the final prefix
+            let base = if is_final { final_prefix[q].as_ref().map(|b| (b, pf)) } else { sec.as_ref().map(|(b, len)| (b, *len)) };
             let (seq, feed) = match base {
-                Some(b) => (kv.fork(b), ids[pf..].to_vec()),
+                Some((b, len)) => (kv.fork(b), ids[len..].to_vec()),
                 None => (Seq::default(), ids.clone()),
             };
             st.prefill_tokens += feed.len();
@@ -416,7 +426,7 @@ fn generate_step<B: Backend>(
             pending.push(Pending { q, i, kind, prompt: ids, prefix_len: pf });
         }
     }
-    release_all(cx, kv, sec_prefix);
+    release_all(cx, kv, sec_prefix.into_iter().map(|p| p.map(|(s, _)| s)).collect());
     let outs = runtime::generate(cx.model, kv, reqs, cx.opts, |_| {})?;
     let dt = t_gen.elapsed().as_secs_f64();
     if step.updates.is_empty() {
@@ -427,26 +437,44 @@ fn generate_step<B: Backend>(
     Ok((pending.into_iter().zip(outs).collect(), dt))
 }
 
-/// The section prefixes `[head, question, c_t]` of the step's updating queries, prefilled once
-/// per query (shared mode; all `None` otherwise).
-fn prefill_section_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, prep: &[Prepared], step: &Step, st: &mut RolloutStats) -> Result<Vec<Option<Seq>>> {
-    let mut sec_prefix: Vec<Option<Seq>> = (0..prep.len()).map(|_| None).collect();
-    if cx.cfg.share_prefix && !step.updates.is_empty() {
-        let items: Vec<(Seq, Vec<u32>)> = step
-            .updates
-            .iter()
-            .map(|&q| {
-                let p = &prep[q];
-                let (ids, pf) = cx.upd.build(&p.q_ids, &p.chunks[step.t], &cx.empty_ids);
-                st.prefill_tokens += pf;
-                (Seq::default(), ids[..pf].to_vec())
-            })
-            .collect();
-        for (&q, s) in step.updates.iter().zip(runtime::prefill(cx.model, kv, items, cx.opts)?) {
-            sec_prefix[q] = Some(s);
+/// The section prefixes of the step's memory updates, one per updating query (shared mode; all
+/// `None` otherwise), each with its length: `[head, question, c_t]` and on as far as every
+/// rollout's prompt agrees, less the last token (each rollout reads one of its own to sample
+/// from). At `t = 0` every memory is the empty one, so the group's prompts are equal and the
+/// whole prompt is read once instead of `n` times; later the memories differ and the prefix
+/// ends at or soon after the memory slot.
+fn prefill_section_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, live: &[(usize, ConvKind)], prompts: &[Vec<(Vec<u32>, usize)>], st: &mut RolloutStats) -> Result<Vec<Option<(Seq, usize)>>> {
+    let mut sec_prefix: Vec<Option<(Seq, usize)>> = live.iter().map(|_| None).collect();
+    if !cx.cfg.share_prefix {
+        return Ok(sec_prefix);
+    }
+    let mut items = vec![];
+    let mut at = vec![];
+    for (j, (&(_, kind), group)) in live.iter().zip(prompts).enumerate() {
+        if kind == ConvKind::Update {
+            let len = shared_len(group.iter().map(|(ids, _)| ids.as_slice()));
+            st.prefill_tokens += len;
+            items.push((Seq::default(), group[0].0[..len].to_vec()));
+            at.push((j, len));
+        }
+    }
+    if !items.is_empty() {
+        for ((j, len), s) in at.into_iter().zip(runtime::prefill(cx.model, kv, items, cx.opts)?) {
+            sec_prefix[j] = Some((s, len));
         }
     }
     Ok(sec_prefix)
+}
+
+/// The longest prefix common to all `prompts`, shortened to leave each at least one token.
+fn shared_len<'p>(mut prompts: impl Iterator<Item = &'p [u32]>) -> usize {
+    let Some(first) = prompts.next() else { return 0 };
+    let mut len = first.len().saturating_sub(1);
+    for p in prompts {
+        len = len.min(p.len().saturating_sub(1));
+        len = first[..len].iter().zip(p).take_while(|(a, b)| a == b).count();
+    }
+    len
 }
 
 /// Append each generation to its trajectory as a turn: an update's reply becomes the memory, a
