@@ -16,7 +16,8 @@
 //! broadcast pair of x. k is cut into blocks (`k_block_pairs`, a function of k only) and storage
 //! is block-major: `[block][panel][pair of the block][32 columns]`, so one k block of a run of
 //! panels is one contiguous stretch (decode streams it front to back); 64-byte aligned, on 2 MiB
-//! pages when large. 2·n·k bytes plus padding: no second copy (see `dy · W`).
+//! pages (placed back to back with the model's other matrices: `arena`). 2·n·k bytes plus
+//! padding: no second copy (see `dy · W`).
 //!
 //! **Kernel** (BLIS with B packed at load). x is converted to bf16 pairs once per call (in row
 //! batches of ≤ 16 MiB, rayon over rows; converting per strip and k block instead cost ~13 % of
@@ -120,6 +121,7 @@
 //! data, tiny data, random bit patterns), NaN payloads aside (which NaN propagates is not
 //! reproduced; where NaNs appear is). ~25× slower than `vdpbf16ps` (39 GFLOP/s on 2 threads; 31
 //! on the Zen 3): the reference the other kernels are tested against, and the rare tiny strip.
+use super::arena::Lines;
 use super::lora::{BfB, Out};
 use super::matmul::SendPtr;
 use half::bf16;
@@ -403,7 +405,7 @@ pub struct PackedBf16 {
     kc: usize,
     /// ⌈n/NR⌉
     panels: usize,
-    data: Vec<Line>,
+    data: Lines,
     /// the smallest `bf16_exp` of the weights (see `plain_fma_exact`)
     min_exp: u8,
 }
@@ -425,8 +427,8 @@ impl PackedBf16 {
         let pairs = k.div_ceil(2);
         let kc = k_block_pairs(pairs);
         let panels = n.div_ceil(NR);
-        let mut data = alloc_lines(panels * pairs * NR / 16);
-        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Vec::new(), min_exp: 255 };
+        let mut data = Lines::zeroed(panels * pairs * NR / 16);
+        let mut me = PackedBf16 { n, k, pairs, kc, panels, data: Lines::empty(), min_exp: 255 };
         let dst = SendPtr(data.as_mut_ptr() as *mut u32);
         let fill = |pn: usize| {
             for b in 0..me.blocks() {
@@ -514,26 +516,6 @@ impl PackedBf16 {
         }
         w
     }
-}
-
-/// `len` zeroed lines; large buffers are advised onto 2 MiB pages before the first write (decode
-/// streams them: fewer TLB misses, prefetch across 4 KiB boundaries; as `upload_vec` does).
-fn alloc_lines(len: usize) -> Vec<Line> {
-    let mut v: Vec<Line> = Vec::with_capacity(len);
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        if len * 64 >= 2 * HUGE {
-            let start = v.as_mut_ptr() as usize;
-            let (a, e) = ((start + HUGE - 1) & !(HUGE - 1), (start + len * 64) & !(HUGE - 1));
-            if e > a {
-                // Safety: [a, e) lies inside v's allocation; madvise only changes paging policy.
-                unsafe { libc::madvise(a as *mut libc::c_void, e - a, libc::MADV_HUGEPAGE) };
-            }
-        }
-    }
-    v.resize(len, Line([0; 16]));
-    v
 }
 
 /// `out[m, n] = x[m, k] · Wᵀ (+ bias)` with `w` packed from `[n, k]`, on the machine's threads.
@@ -2136,7 +2118,7 @@ mod tests {
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let pb = PackedBf16::from_bf16(&wb, n, k);
             assert_eq!(pw.bytes(), n.div_ceil(NR) * k.div_ceil(2) * NR * 4);
-            assert!(pw.data.iter().zip(&pb.data).all(|(a, b)| a.0 == b.0));
+            assert!(pw.data.iter().zip(pb.data.iter()).all(|(a, b)| a.0 == b.0));
             let un = pw.to_f32();
             for j in 0..n {
                 for p in 0..k {

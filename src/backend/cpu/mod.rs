@@ -2,6 +2,7 @@
 //! crate) for large products and hand-written kernels for the rest. One file per op family
 //! (forward and backward together, the table in `backend/mod.rs`); this file only routes the
 //! trait methods to them.
+pub(crate) mod arena;
 pub mod attention;
 pub mod attention_bf16;
 pub mod attention_dense;
