@@ -451,10 +451,10 @@ fn prefill_section_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, live: 
     let mut items = vec![];
     let mut at = vec![];
     for (j, (&(_, kind), group)) in live.iter().zip(prompts).enumerate() {
-        if kind == ConvKind::Update {
+        if let (ConvKind::Update, Some((first, _))) = (kind, group.first()) {
             let len = shared_len(group.iter().map(|(ids, _)| ids.as_slice()));
             st.prefill_tokens += len;
-            items.push((Seq::default(), group[0].0[..len].to_vec()));
+            items.push((Seq::default(), first[..len].to_vec()));
             at.push((j, len));
         }
     }

@@ -174,7 +174,7 @@ mod tests {
     /// others come and go (other tests place matrices concurrently: nothing here depends on
     /// where a placement lands).
     #[test]
-    fn placements_are_disjoint_and_reused() {
+    fn placements_are_disjoint_zeroed_and_kept() {
         let mark = |l: &mut Lines, v: u32| l.iter_mut().for_each(|x| x.0 = [v; 16]);
         let mut a = Lines::zeroed(1000);
         let mut b = Lines::zeroed(3);
