@@ -27,8 +27,9 @@
 //! accumulators + 2 + 1 of the 32 zmm registers; latency ~6 cycles at 2 per cycle needs ≥ 12
 //! independent accumulators). Short strips (decode, m ≤ 4) take 2 or 4 panels per call to keep
 //! 8–16 accumulators busy, and a task's first strip prefetches its panels 6 KiB ahead into L2 when it
-//! reads one or two panel streams. Every weight byte is read from memory once per call. Tasks
-//! (runs of panels × row ranges, ~4 per thread) go to rayon; decode (one strip, or ≤ 16 rows) splits columns only.
+//! reads one or two panel streams. Tasks (runs of panels × row ranges, ~4 per thread) go to
+//! rayon, each reading its panels from memory once; decode (one strip, or ≤ 16 rows) splits
+//! columns only, so every weight byte is read from memory once per call.
 //!
 //! **`dy · W`** needs pairs along n instead. A second packed copy kept with the weight would
 //! double its memory, so each call repacks W, every k block of this product (pairs of W's rows)
