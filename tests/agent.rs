@@ -96,7 +96,9 @@ fn shared_prefix_equals_naive() {
 /// prefix once plus each rollout's own suffix, plus the final prompt's prefix once per query. A
 /// memory update's shared prefix runs as far as the group's prompts agree, less the last token
 /// (at the first chunk, where every memory is the empty one, that is all but the last token); a
-/// final answer's is the template's `[head, question]`.
+/// final answer's is the template's `[head, question]`. A memory update's shared prefix is read on
+/// from the longest run of its tokens the cache holds: the query's final prefix or its previous
+/// section prefix (the template head and the question, up to the chunk).
 #[test]
 fn prefill_saving_matches_analytic_value() {
     let (_t, dir) = tiny_with_tokenizer("llama");
@@ -105,9 +107,15 @@ fn prefill_saving_matches_analytic_value() {
     let (groups, st) = run(&m, &qs, &cfg(true, 8, 1.0));
     let mut naive = 0;
     let mut shared = 0;
+    let mut reused_any = false;
     for g in &groups {
         assert_eq!(g.len(), 8);
         let k = g[0].turns.len();
+        // what the cache holds when a section prefix is read: the query's final prefix (held for
+        // the run) and its previous section prefix; a prefix reads on from the longer match
+        let last = g[0].turns.last().unwrap();
+        let final_prefix = &last.conv.prompt[..last.prefix_len];
+        let mut prev_section: Option<&[u32]> = None;
         for c in 0..k {
             let pf = g[0].turns[c].prefix_len;
             assert!(g.iter().all(|t| t.turns[c].prefix_len == pf && t.turns[c].conv.prompt[..pf] == g[0].turns[c].conv.prompt[..pf]));
@@ -123,11 +131,19 @@ fn prefill_saving_matches_analytic_value() {
                 assert_eq!(len, first.len() - 1);
             }
             assert!(len >= pf);
-            shared += len + g.iter().map(|t| t.turns[c].conv.prompt.len() - len).sum::<usize>();
+            let mut cached = 0;
+            if g[0].turns[c].kind != ConvKind::Final {
+                let common = |held: &[u32]| held.iter().zip(first).take_while(|(a, b)| a == b).count().min(len - 1);
+                cached = common(final_prefix).max(prev_section.map_or(0, common));
+                prev_section = Some(&first[..len]);
+                reused_any |= cached > 0;
+            }
+            shared += len - cached + g.iter().map(|t| t.turns[c].conv.prompt.len() - len).sum::<usize>();
             naive += g.iter().map(|t| t.turns[c].conv.prompt.len()).sum::<usize>();
         }
         assert_eq!(g[0].turns.last().unwrap().kind, ConvKind::Final);
     }
+    assert!(reused_any, "no section prefix began with cached tokens: the check above is vacuous");
     assert_eq!(st.prefill_tokens_naive, naive);
     assert_eq!(st.prefill_tokens, shared);
     assert!(st.prefill_saving() > 2.0, "saving {}", st.prefill_saving());

@@ -156,15 +156,28 @@ fn read_chunks<B: Backend>(
     mut on_progress: impl FnMut(usize),
 ) -> Result<()> {
     let empty = score_empty(cx, kv, prep, final_prefix, st)?;
+    // each query's last section prefix, held until the next step's is read from it
+    let mut held: Vec<Option<Held>> = (0..prep.len()).map(|_| None).collect();
     let mut done_convs = 0;
-    for step in steps(prep) {
-        let (generated, step_s) = generate_step(cx, kv, prep, final_prefix, &step, states, st)?;
-        done_convs += generated.len();
-        on_progress(done_convs);
-        let answered = record_turns(cx, queries, states, generated, step_s, st)?;
-        score_step(cx, kv, prep, final_prefix, &empty, &step, answered, states, st)?;
-    }
-    Ok(())
+    let mut run = || -> Result<()> {
+        for step in steps(prep) {
+            let (generated, step_s) = generate_step(cx, kv, prep, final_prefix, &mut held, &step, states, st)?;
+            done_convs += generated.len();
+            on_progress(done_convs);
+            let answered = record_turns(cx, queries, states, generated, step_s, st)?;
+            score_step(cx, kv, prep, final_prefix, &empty, &step, answered, states, st)?;
+        }
+        Ok(())
+    };
+    let result = run();
+    release_all(cx, kv, held.into_iter().map(|h| h.map(|h| h.seq)).collect());
+    result
+}
+
+/// A prefilled prompt prefix kept in the cache for later prompts that begin the same way.
+struct Held {
+    seq: Seq,
+    ids: Vec<u32>,
 }
 
 /// What every phase reads: the model, the configuration and the tokenized templates.
@@ -383,6 +396,7 @@ fn generate_step<B: Backend>(
     kv: &mut KvCache<B>,
     prep: &[Prepared],
     final_prefix: &[Option<Seq>],
+    held: &mut [Option<Held>],
     step: &Step,
     states: &mut [Vec<State>],
     st: &mut RolloutStats,
@@ -399,14 +413,14 @@ fn generate_step<B: Backend>(
                 .collect()
         })
         .collect();
-    let sec_prefix = prefill_section_prefixes(cx, kv, &live, &prompts, st)?;
+    let sec_prefix = prefill_section_prefixes(cx, kv, prep, final_prefix, held, &live, &prompts, st)?;
     let mut reqs = Vec::new();
     let mut pending = Vec::new();
     for ((&(q, kind), group), sec) in live.iter().zip(prompts).zip(&sec_prefix) {
         let is_final = kind == ConvKind::Final;
         for (i, (s, (ids, pf))) in states[q].iter_mut().zip(group).enumerate() {
             // an update reads on from its section prefix, a final answer from the final prefix
-            let base = if is_final { final_prefix[q].as_ref().map(|b| (b, pf)) } else { sec.as_ref().map(|(b, len)| (b, *len)) };
+            let base = if is_final { final_prefix[q].as_ref().map(|b| (b, pf)) } else { sec.as_ref().map(|h| (&h.seq, h.ids.len())) };
             let (seq, feed) = match base {
                 Some((b, len)) => (kv.fork(b), ids[len..].to_vec()),
                 None => (Seq::default(), ids.clone()),
@@ -426,7 +440,17 @@ fn generate_step<B: Backend>(
             pending.push(Pending { q, i, kind, prompt: ids, prefix_len: pf });
         }
     }
-    release_all(cx, kv, sec_prefix.into_iter().map(|p| p.map(|(s, _)| s)).collect());
+    // the new section prefixes replace the held ones (the next step's begin with the same head);
+    // a query answering now reads no more sections
+    for (&(q, kind), sec) in live.iter().zip(sec_prefix) {
+        let old = match kind {
+            ConvKind::Final => held[q].take(),
+            ConvKind::Update => sec.and_then(|h| held[q].replace(h)),
+        };
+        if let Some(old) = old {
+            kv.release(&cx.model.be, old.seq);
+        }
+    }
     let outs = runtime::generate(cx.model, kv, reqs, cx.opts, |_| {})?;
     let dt = t_gen.elapsed().as_secs_f64();
     if step.updates.is_empty() {
@@ -443,8 +467,22 @@ fn generate_step<B: Backend>(
 /// from). At `t = 0` every memory is the empty one, so the group's prompts are equal and the
 /// whole prompt is read once instead of `n` times; later the memories differ and the prefix
 /// ends at or soon after the memory slot.
-fn prefill_section_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, live: &[(usize, ConvKind)], prompts: &[Vec<(Vec<u32>, usize)>], st: &mut RolloutStats) -> Result<Vec<Option<(Seq, usize)>>> {
-    let mut sec_prefix: Vec<Option<(Seq, usize)>> = live.iter().map(|_| None).collect();
+///
+/// A prefix is read on from the longest run of its tokens already in the cache: the query's
+/// previous section prefix (`held`: the template head and the question, up to the chunk) or its
+/// final prefix (the chat template's system turn), forked and cut there.
+#[allow(clippy::too_many_arguments)]
+fn prefill_section_prefixes<B: Backend>(
+    cx: &Ctx<B>,
+    kv: &mut KvCache<B>,
+    prep: &[Prepared],
+    final_prefix: &[Option<Seq>],
+    held: &[Option<Held>],
+    live: &[(usize, ConvKind)],
+    prompts: &[Vec<(Vec<u32>, usize)>],
+    st: &mut RolloutStats,
+) -> Result<Vec<Option<Held>>> {
+    let mut sec_prefix: Vec<Option<Held>> = live.iter().map(|_| None).collect();
     if !cx.cfg.share_prefix {
         return Ok(sec_prefix);
     }
@@ -452,18 +490,37 @@ fn prefill_section_prefixes<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, live: 
     let mut at = vec![];
     for (j, (&(_, kind), group)) in live.iter().zip(prompts).enumerate() {
         if let (ConvKind::Update, Some((first, _))) = (kind, group.first()) {
+            let q = live[j].0;
             let len = shared_len(group.iter().map(|(ids, _)| ids.as_slice()));
-            st.prefill_tokens += len;
-            items.push((Seq::default(), first[..len].to_vec()));
-            at.push((j, len));
+            let want = &first[..len];
+            let (fin, fin_len) = &prep[q].final_empty;
+            let cached = [held[q].as_ref().map(|h| (&h.seq, h.ids.as_slice())), final_prefix[q].as_ref().map(|s| (s, &fin[..*fin_len]))];
+            // at least one token is read (a prefill item is never empty)
+            let best = cached.into_iter().flatten().map(|(s, ids)| (s, common_len(ids, want).min(len.saturating_sub(1)))).max_by_key(|c| c.1);
+            let (seq, from) = match best {
+                Some((s, n)) if n > 0 => {
+                    let mut f = kv.fork(s);
+                    kv.truncate(&cx.model.be, &mut f, n);
+                    (f, n)
+                }
+                _ => (Seq::default(), 0),
+            };
+            st.prefill_tokens += len - from;
+            items.push((seq, want[from..].to_vec()));
+            at.push((j, want.to_vec()));
         }
     }
     if !items.is_empty() {
-        for ((j, len), s) in at.into_iter().zip(runtime::prefill(cx.model, kv, items, cx.opts)?) {
-            sec_prefix[j] = Some((s, len));
+        for ((j, ids), seq) in at.into_iter().zip(runtime::prefill(cx.model, kv, items, cx.opts)?) {
+            sec_prefix[j] = Some(Held { seq, ids });
         }
     }
     Ok(sec_prefix)
+}
+
+/// How many leading tokens `a` and `b` have in common.
+fn common_len(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// The longest prefix common to all `prompts`, shortened to leave each at least one token.
@@ -472,7 +529,7 @@ fn shared_len<'p>(mut prompts: impl Iterator<Item = &'p [u32]>) -> usize {
     let mut len = first.len().saturating_sub(1);
     for p in prompts {
         len = len.min(p.len().saturating_sub(1));
-        len = first[..len].iter().zip(p).take_while(|(a, b)| a == b).count();
+        len = common_len(&first[..len], p);
     }
     len
 }
