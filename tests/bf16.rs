@@ -226,3 +226,53 @@ fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
     // and the rounding is visible: the f32 cache on the unrounded inputs differs
     assert_ne!(run(CpuBackend::new(), &qkv), bf);
 }
+
+/// A sampled token's log-probability (a decode row) equals its teacher-forced score (a fed row)
+/// in bf16, as on CUDA where one kernel does both: decode rows run on bf16 operands like fed rows
+/// (`attention_bf16::decode_row` where `decode_usable`: tiny-qwen3's heads of 32). Only the
+/// order of a few sums differs: 4.8e-7 here. While decode rows ran the f32 kernels (Q and the
+/// softmax numerators not rounded), the two differed by up to 1.7e-2 here (6e-2 on SmolLM2).
+#[test]
+fn bf16_generated_logprobs_equal_their_scores() {
+    use infomem_engine::backend::cpu::attention_bf16::decode_usable;
+    use infomem_engine::runtime::ScoreRequest;
+    let m = tiny_bf16("qwen3");
+    let g = m.geom();
+    if !decode_usable(g.head_dim, g.page_size) {
+        eprintln!("no AVX512_BF16 here: decode rows run the f32 kernels; nothing to check");
+        return;
+    }
+    let mut rng = Rng::new(3);
+    let prompts: Vec<Vec<u32>> = [30usize, 75, 2].iter().map(|&n| (0..n).map(|_| rng.below(500) as u32 + 3).collect()).collect();
+    let reqs = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenRequest {
+            seq: Seq::default(),
+            feed: p.clone(),
+            max_new: 40,
+            params: SampleParams { temperature: 1.0, top_p: 1.0 },
+            rng: Rng::derive(9, i as u64),
+            stop_ids: vec![],
+            stop_strings: vec![],
+            keep_seq: false,
+        })
+        .collect();
+    let mut kv = runtime::kv_for(&m, 4096).unwrap();
+    let gen = runtime::generate(&m, &mut kv, reqs, SchedOptions::default(), |_| {}).unwrap();
+    let scored = runtime::score(
+        &m,
+        &mut kv,
+        prompts.iter().zip(&gen).map(|(p, o)| ScoreRequest { seq: Seq::default(), context: p.clone(), targets: o.new_ids.clone(), keep_seq: false }).collect(),
+        SchedOptions::default(),
+    )
+    .unwrap();
+    let mut worst = 0f32;
+    for (o, s) in gen.iter().zip(&scored) {
+        assert_eq!(o.new_ids.len(), 40);
+        for (a, b) in o.logprobs.iter().zip(&s.logprobs) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    assert!(worst < 1e-4, "generated vs scored log-probs differ by {worst}");
+}

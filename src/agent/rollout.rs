@@ -391,6 +391,7 @@ fn steps(prep: &[Prepared]) -> Vec<Step> {
 /// One batched generation: every rollout of the step's queries, memory updates (from the shared
 /// section prefix) and final answers (from the final prefix). Returns each conversation with its
 /// output, in request order, and the step's wall time.
+#[allow(clippy::too_many_arguments)]
 fn generate_step<B: Backend>(
     cx: &Ctx<B>,
     kv: &mut KvCache<B>,

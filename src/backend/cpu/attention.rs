@@ -9,7 +9,7 @@
 //! Compute: one task per (sequence, kv head). Prefill and scoring chunks gather `Kᵀ` and V of the
 //! visible context once, then for each query head of the group and each block of query rows do
 //! `S = Q Kᵀ` (GEMM), causal mask, softmax in f32, `O = P V` (GEMM); only a `[block, ctx]` score
-//! tile exists at a time, never `[T, T]`. Decode rows (a few queries) read K and V straight from
+//! tile exists at a time, never `[T, T]`. Decode rows (a few queries; bf16 pages: `attention_bf16::decode_row`) read K and V straight from
 //! the pages (`scores_page`, `values_page`): a gather would copy the whole context per step.
 //!
 //! Element type (`KvElem`): f32 with `--dtype f32`, bf16 with `--dtype bf16` (as on CUDA: K and V
@@ -293,9 +293,10 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     let scale = 1.0 / (hd as f32).sqrt();
     let outp = SendPtr(out.as_mut_ptr());
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
-    // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct, whatever
-    // their number (a row's bits must not depend on how a prompt was chunked); otherwise both
-    // kernels give the same bits and the row count chooses
+    // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct (on bf16
+    // operands too where `decode_usable`: `attend_direct`), whatever their number (a row's bits
+    // must not depend on how a prompt was chunked); otherwise both kernels give the same bits and
+    // the row count chooses
     let bf16_rows = T::BF16 && bf16_attn::usable(hd);
     let direct = |s: &AttnSeq| (bf16_rows && s.sampled) || (!bf16_rows && s.n_q <= DIRECT_MAX_Q);
     tasks.par_iter().enumerate().for_each(|(ti, &(si, kvh))| {
@@ -493,6 +494,17 @@ impl<T: KvElem> KvPages<T> {
             }
         };
         prefetch_l2(next(0).unwrap(), block_len);
+        if let Some(kv16) = as_bf16(self) {
+            if bf16_attn::decode_usable(hd, ps) {
+                // bf16 operands, as the fed rows (`attention_bf16`) and the CUDA kernel: a sampled
+                // token's log-prob then equals its score. The f32 kernels below were bound by
+                // their FMAs with K and V in cache (8 rows × 384 keys, one layer: 69.8 → 42.4 µs,
+                // `cargo bench --bench kernels -- "decode attention"`)
+                let blk = |pi: usize, b: usize| &kv16.page(pages[pi])[b..b + hd * ps];
+                let nx = |i: usize| next(i).map_or(std::ptr::null(), |p| p as *const u16);
+                return bf16_attn::decode_row(|pi| blk(pi, kb), |pi| blk(pi, vb), nx, (ps, hd, visible), q, group, scale, out);
+            }
+        }
         // scores[h * visible + t]
         let mut scores = vec![0f32; group * visible];
         for (pi, &p) in pages[..n_pages].iter().enumerate() {
@@ -546,6 +558,12 @@ fn scores_page<T: KvElem>(sc: Scores, kt: &[T], ps: usize, nt: usize) {
         }
     }
     scores_keys(sc, kt, ps, 0, nt)
+}
+
+/// This cache as bf16 pages when it is one.
+fn as_bf16<T: KvElem>(kv: &KvPages<T>) -> Option<&KvPages<u16>> {
+    // Safety: T is u16 (checked): the same type.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<u16>()).then(|| unsafe { &*(kv as *const KvPages<T> as *const KvPages<u16>) })
 }
 
 /// Keys `j0..nt` one at a time (pages narrower than a vector, the last keys of odd page sizes,
@@ -910,12 +928,13 @@ mod tests {
     }
 
     /// Decode rows (the direct kernels: 1–4 vectors of keys or columns × 1–3 heads, the tail
-    /// keys and columns one at a time, group sizes 3, 2, 1 and 8) and prefill rows (gather +
-    /// GEMM) against f64, with the f32 and the bf16 cache, across pages of 16, 64 and 20 (not a
-    /// whole number of vectors).
+    /// keys and columns one at a time, group sizes 3, 2, 1, 8 and 7; with bf16 pages of 32 and
+    /// 64 keys and heads of 64 and 128 also `attention_bf16::decode_row`, odd context lengths
+    /// included) and prefill rows (gather + GEMM) against f64, with the f32 and the bf16 cache,
+    /// across pages of 16, 64 and 20 (not a whole number of vectors).
     #[test]
     fn decode_and_prefill_rows_match_f64() {
-        for &(hd, n_heads, n_kv, ps) in &[(64usize, 9usize, 3usize, 16usize), (64, 9, 3, 64), (24, 4, 2, 16), (20, 2, 2, 20), (40, 8, 1, 64), (48, 6, 3, 64)] {
+        for &(hd, n_heads, n_kv, ps) in &[(64usize, 9usize, 3usize, 16usize), (64, 9, 3, 64), (24, 4, 2, 16), (20, 2, 2, 20), (40, 8, 1, 64), (48, 6, 3, 64), (128, 8, 1, 64), (64, 14, 2, 32)] {
             let g = AttnGeom { n_layers: 1, n_heads, n_kv_heads: n_kv, head_dim: hd, page_size: ps };
             let w = g.qkv_dim();
             let lens = [70usize, 9, 33, 5, 100];
@@ -946,9 +965,10 @@ mod tests {
                 let mut out = vec![f32::NAN; rows * g.q_dim()];
                 attention(&kv, 0, &qkv, &seqs, &mut out);
                 for i in 0..lens.len() {
-                    // fed rows of bf16 on `attention_bf16` round Q (in the reference too) and the softmax
-                    // numerators (each by ≤ 2⁻⁸ relative, so the output by ≤ 2⁻⁸·max|v| = 2⁻⁷)
-                    let rounded = bf16 && !seqs[i].sampled && bf16_attn::usable(hd);
+                    // bf16 rows on `attention_bf16` (fed rows; sampled rows where `decode_usable`)
+                    // round Q (in the reference too) and the softmax numerators (each by ≤ 2⁻⁸
+                    // relative, so the output by ≤ 2⁻⁸·max|v| = 2⁻⁷)
+                    let rounded = bf16 && bf16_attn::usable(hd) && (!seqs[i].sampled || bf16_attn::decode_usable(hd, ps));
                     let tol = if rounded { 2f64.powi(-7) + 2e-5 } else { 2e-5 };
                     let want = reference(&qkv, g, starts[i], lens[i], n_q[i], bf16, rounded);
                     let got = &out[(starts[i] + lens[i] - n_q[i]) * g.q_dim()..][..n_q[i] * g.q_dim()];

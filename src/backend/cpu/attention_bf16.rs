@@ -1,5 +1,6 @@
 //! bf16 attention: the many-row attention of `--dtype bf16` (prefill in `attention.rs`, the
-//! training forward and backward in `attention_dense.rs`) with bf16 operands and f32 sums, on AMX
+//! training forward and backward in `attention_dense.rs`; decode rows straight from the pages in
+//! `decode_row`, on `vdpbf16ps`) with bf16 operands and f32 sums, on AMX
 //! tiles (`tdpbf16ps`, `gemm_bf16::amx_available`) or, where AMX is missing, on the `vdpbf16ps`
 //! GEMM kernel (`gemm_bf16::vdp_product`, e.g. AMD Zen 4/5), for a head size that is a whole
 //! number of 32-element steps. Without AVX512_BF16 the f32 attention runs instead.
@@ -809,6 +810,272 @@ pub unsafe fn transpose_out(src: &[f32], lds: usize, rows: usize, cols: usize, d
     }
 }
 
+/// Whether a decode row of heads of `hd` over pages of `ps` keys runs on `decode_row`
+/// (`vdpbf16ps`, whole blocks of 32 keys and 32 columns).
+pub fn decode_usable(hd: usize, ps: usize) -> bool {
+    cfg!(target_arch = "x86_64") && hd.is_multiple_of(T) && ps.is_multiple_of(T) && vdp_available()
+}
+
+/// One decode row (one query) of the `group` query heads sharing a kv head, over the first
+/// `visible` keys of its pages, on bf16 operands as the fed rows here and the CUDA kernel: Q
+/// rounded to bf16, `S = Q·Kᵀ` by `vdpbf16ps` over pairs of dimensions, the softmax numerators
+/// rounded to bf16 (`softmax_row`), `P·V` by `vdpbf16ps` over pairs of keys, divided by the
+/// numerators' f32 sum at the end. The f32 kernels these rows ran on before
+/// (`attention::attend_direct`) were bound by their fused multiply-adds (~92 % of one core's f32
+/// peak with the keys in cache); `vdpbf16ps` does two products per lane and instruction.
+///
+/// `kt(i)`, `vals(i)`: page i's `Kᵀ` block (`[hd][ps]`) and values (`[ps][hd]`); `next(i)`: the
+/// block read after block i (K blocks `0..n`, then V blocks `n..2n`, `n` pages), asked into L2
+/// row by row while block i is read (null: none). `out`: `group` rows of `hd`. Needs
+/// `decode_usable(hd, ps)`.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_row<'a>(
+    kt: impl Fn(usize) -> &'a [u16],
+    vals: impl Fn(usize) -> &'a [u16],
+    next: impl Fn(usize) -> *const u16,
+    (ps, hd, visible): (usize, usize, usize),
+    q: &[f32],
+    group: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    assert!(decode_usable(hd, ps) && q.len() >= group * hd && out.len() >= group * hd && visible > 0);
+    DECODE_SCRATCH.with_borrow_mut(|d| decode_row_in(kt, vals, next, (ps, hd, visible), q, group, scale, out, &mut d.qp, &mut d.scores, &mut d.pp, &mut d.sums))
+}
+
+/// `decode_row`'s buffers (Q pairs, scores, numerator pairs, sums), kept by each thread: a decode
+/// step runs one `decode_row` per sequence, kv head and layer.
+struct DecodeScratch {
+    qp: Vec<u32>,
+    scores: Vec<f32>,
+    pp: Vec<u32>,
+    sums: Vec<f32>,
+}
+
+thread_local! {
+    static DECODE_SCRATCH: RefCell<DecodeScratch> = const { RefCell::new(DecodeScratch { qp: Vec::new(), scores: Vec::new(), pp: Vec::new(), sums: Vec::new() }) };
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_row_in<'a>(
+    kt: impl Fn(usize) -> &'a [u16],
+    vals: impl Fn(usize) -> &'a [u16],
+    next: impl Fn(usize) -> *const u16,
+    (ps, hd, visible): (usize, usize, usize),
+    q: &[f32],
+    group: usize,
+    scale: f32,
+    out: &mut [f32],
+    qp: &mut Vec<u32>,
+    scores: &mut Vec<f32>,
+    pp: &mut Vec<u32>,
+    sums: &mut Vec<f32>,
+) {
+    let n_pages = visible.div_ceil(ps);
+    let half = hd / 2;
+    // Q as pair words, head after head
+    qp.resize(group * half, 0);
+    for h in 0..group {
+        to_pairs(&q[h * hd..(h + 1) * hd], &mut qp[h * half..(h + 1) * half]);
+    }
+    // scores[h·visible + t] (every one written below); numerators as pair words, pw per head
+    scores.resize(group * visible, 0.0);
+    let pw = visible.div_ceil(2);
+    pp.resize(group * pw, 0);
+    if visible % 2 == 1 {
+        // an odd last key's partner: `softmax_row` writes `visible` halves, this one must be 0
+        for h in 0..group {
+            pp[h * pw + pw - 1] = 0;
+        }
+    }
+    sums.resize(group, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    // Safety: decode_usable: AVX512_BF16 (with F/BW); every block holds hd·ps values, the keys
+    // read are < ps of each page (whole 32-key blocks), scores/pp/out are sized above.
+    unsafe {
+        // ≤ 3 heads × ≤ 2 blocks of 32 keys (or columns) a pass: 6–12 sums in flight, as many as
+        // `vdpbf16ps`'s latency needs with the weights' rows shared
+        let mut h0 = 0;
+        while h0 < group {
+            let hc = (group - h0).min(3);
+            for pi in 0..n_pages {
+                let (t0, k) = (pi * ps, kt(pi));
+                assert!(k.len() >= hd * ps);
+                let nt = ps.min(visible - t0);
+                let pf = if h0 == 0 { next(pi + 1) } else { std::ptr::null() };
+                let mut j0 = 0;
+                while j0 < nt {
+                    let nb = if nt - j0 > T && j0 + 2 * T <= ps { 2 } else { 1 };
+                    let n = (nt - j0).min(nb * T);
+                    let (qh, o) = (qp.as_ptr().add(h0 * half), scores.as_mut_ptr().add(h0 * visible + t0 + j0));
+                    let a = (k.as_ptr(), ps, hd, j0, qh, half, o, visible, n, pf);
+                    match (hc, nb) {
+                        (1, 1) => decode_x512::scores::<1, 1>(a),
+                        (2, 1) => decode_x512::scores::<2, 1>(a),
+                        (3, 1) => decode_x512::scores::<3, 1>(a),
+                        (1, _) => decode_x512::scores::<1, 2>(a),
+                        (2, _) => decode_x512::scores::<2, 2>(a),
+                        _ => decode_x512::scores::<3, 2>(a),
+                    }
+                    j0 += nb * T;
+                }
+            }
+            h0 += hc;
+        }
+        for h in 0..group {
+            sums[h] = softmax_row::<false>(&mut scores[h * visible..(h + 1) * visible], scale, &mut pp[h * pw..(h + 1) * pw]).1;
+        }
+        // the value blocks and what to prefetch during each
+        let vps: Vec<*const u16> = (0..n_pages)
+            .map(|pi| {
+                let v = vals(pi);
+                assert!(v.len() >= ps.min(visible - pi * ps) * hd);
+                v.as_ptr()
+            })
+            .collect();
+        let vnext: Vec<*const u16> = (0..n_pages).map(|pi| next(n_pages + pi + 1)).collect();
+        let mut h0 = 0;
+        while h0 < group {
+            let hc = (group - h0).min(3);
+            let mut c0 = 0;
+            while c0 < hd {
+                let nb = if c0 + 2 * T <= hd { 2 } else { 1 };
+                let pf: &[*const u16] = if h0 == 0 && c0 == 0 { &vnext } else { &[] };
+                let a = (&vps[..], pf, ps, hd, visible, c0, pp.as_ptr().add(h0 * pw), pw, &sums[h0..], out.as_mut_ptr().add(h0 * hd));
+                match (hc, nb) {
+                    (1, 1) => decode_x512::values::<1, 1>(a),
+                    (2, 1) => decode_x512::values::<2, 1>(a),
+                    (3, 1) => decode_x512::values::<3, 1>(a),
+                    (1, _) => decode_x512::values::<1, 2>(a),
+                    (2, _) => decode_x512::values::<2, 2>(a),
+                    _ => decode_x512::values::<3, 2>(a),
+                }
+                c0 += nb * T;
+            }
+            h0 += hc;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("decode_usable() is false off x86_64");
+}
+
+/// `decode_row`'s two products. A pair row is `unpacklo/hi_epi16` of two rows of 32 bf16 (two
+/// dimensions of 32 keys, or two keys of 32 columns): lane `4L + w` of the low half holds element
+/// `8L + w` of the 32, of the high half element `8L + 4 + w` (`L` the 128-bit lane, `w < 4`);
+/// `unshuffle` puts the sums back in element order.
+#[cfg(target_arch = "x86_64")]
+mod decode_x512 {
+    use super::T;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn unshuffle(lo: __m512, hi: __m512) -> (__m512, __m512) {
+        let first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+        let second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+        (_mm512_permutex2var_ps(lo, first, hi), _mm512_permutex2var_ps(lo, second, hi))
+    }
+
+    #[inline(always)]
+    unsafe fn pf_l2(p: *const u16, elems: usize) {
+        if !p.is_null() {
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(elems) as *const i8);
+        }
+    }
+
+    type ScoresArgs = (*const u16, usize, usize, usize, *const u32, usize, *mut f32, usize, usize, *const u16);
+
+    /// Raw scores `q_h·k_j` of keys `j0..j0 + 32·NB` (the first `n` written) of one `Kᵀ` block
+    /// for heads `0..H` (Q pairs `qp[h·qs + p]`), into `out[h·os + j]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn scores<const H: usize, const NB: usize>((kt, ps, hd, j0, qp, qs, out, os, n, pf): ScoresArgs) {
+        let mut lo = [[_mm512_setzero_ps(); NB]; H];
+        let mut hi = [[_mm512_setzero_ps(); NB]; H];
+        for p in 0..hd / 2 {
+            let (r0, r1) = (2 * p * ps + j0, (2 * p + 1) * ps + j0);
+            let mut pl = [std::mem::zeroed::<__m512bh>(); NB];
+            let mut ph = [std::mem::zeroed::<__m512bh>(); NB];
+            for b in 0..NB {
+                pf_l2(pf, r0 + b * T);
+                pf_l2(pf, r1 + b * T);
+                let (x, y) = (_mm512_loadu_si512(kt.add(r0 + b * T) as *const _), _mm512_loadu_si512(kt.add(r1 + b * T) as *const _));
+                pl[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(x, y));
+                ph[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(x, y));
+            }
+            for h in 0..H {
+                let qv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*qp.add(h * qs + p) as i32));
+                for b in 0..NB {
+                    lo[h][b] = _mm512_dpbf16_ps(lo[h][b], pl[b], qv);
+                    hi[h][b] = _mm512_dpbf16_ps(hi[h][b], ph[b], qv);
+                }
+            }
+        }
+        for h in 0..H {
+            for b in 0..NB {
+                let (e0, e1) = unshuffle(lo[h][b], hi[h][b]);
+                for (i, e) in [e0, e1].into_iter().enumerate() {
+                    let at = b * T + 16 * i;
+                    if at < n {
+                        let k = (n - at).min(16);
+                        _mm512_mask_storeu_ps(out.add(h * os + at), ((1u32 << k) - 1) as u16, e);
+                    }
+                }
+            }
+        }
+    }
+
+    type ValuesArgs<'v> = (&'v [*const u16], &'v [*const u16], usize, usize, usize, usize, *const u32, usize, &'v [f32], *mut f32);
+
+    /// Columns `c0..c0 + 32·NB` of `out_h = Σ_t P[h][t]·v_t / sums[h]` for heads `0..H` over every
+    /// page's value block `vps[i]` (numerator pair words `pp[h·pw + u]` = keys 2u, 2u + 1), stored
+    /// at `out[h·hd + c]`; during page i its rows of `pfs[i]` are asked into L2 (if any).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn values<const H: usize, const NB: usize>((vps, pfs, ps, hd, visible, c0, pp, pw, sums, out): ValuesArgs) {
+        let mut lo = [[_mm512_setzero_ps(); NB]; H];
+        let mut hi = [[_mm512_setzero_ps(); NB]; H];
+        for (pi, &v) in vps.iter().enumerate() {
+            let t0 = pi * ps;
+            let nt = ps.min(visible - t0);
+            let pf = pfs.get(pi).copied().unwrap_or(std::ptr::null());
+            let vp = v.add(c0);
+            let mut t = 0;
+            while t < nt {
+                // a missing partner key (odd `visible`) is a zero row: its numerator is 0 too,
+                // and the page's row past `visible` may hold anything
+                let mut pl = [std::mem::zeroed::<__m512bh>(); NB];
+                let mut ph = [std::mem::zeroed::<__m512bh>(); NB];
+                for b in 0..NB {
+                    let x = _mm512_loadu_si512(vp.add(t * hd + b * T) as *const _);
+                    let y = if t + 1 < nt { _mm512_loadu_si512(vp.add((t + 1) * hd + b * T) as *const _) } else { _mm512_setzero_si512() };
+                    pl[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(x, y));
+                    ph[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(x, y));
+                }
+                for c in (0..hd).step_by(T) {
+                    pf_l2(pf, t * hd + c);
+                    pf_l2(pf, (t + 1) * hd + c);
+                }
+                let u = (t0 + t) / 2;
+                for h in 0..H {
+                    let pv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*pp.add(h * pw + u) as i32));
+                    for b in 0..NB {
+                        lo[h][b] = _mm512_dpbf16_ps(lo[h][b], pl[b], pv);
+                        hi[h][b] = _mm512_dpbf16_ps(hi[h][b], ph[b], pv);
+                    }
+                }
+                t += 2;
+            }
+        }
+        for h in 0..H {
+            let inv = _mm512_set1_ps(1.0 / sums[h]);
+            for b in 0..NB {
+                let (e0, e1) = unshuffle(lo[h][b], hi[h][b]);
+                let o = out.add(h * hd + c0 + b * T);
+                _mm512_storeu_ps(o, _mm512_mul_ps(e0, inv));
+                _mm512_storeu_ps(o.add(16), _mm512_mul_ps(e1, inv));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::attention_dense::attn_dense;
@@ -827,6 +1094,57 @@ mod tests {
             row += len;
         }
         (g, seqs, row)
+    }
+
+    /// `decode_row` against an f64 reference on the same rounded operands (Q and the softmax
+    /// numerators to bf16, as the kernel): groups of 1, 3 and 8 query heads (8: two passes of
+    /// ≤ 6), heads of 64 and 128, pages of 32 and 64 keys, contexts ending mid-page, on an odd key
+    /// and on a page boundary; the slots past the context hold NaN (a recycled page's leftovers
+    /// may be anything) and must not reach the output.
+    #[test]
+    fn decode_row_matches_f64_on_rounded_operands() {
+        if !super::decode_usable(64, 64) {
+            eprintln!("no AVX512_BF16 here: decode rows use the f32 kernels");
+            return;
+        }
+        let bf = |x: f32| f32::from_bits((f32_to_bf16_bits(x) as u32) << 16);
+        let mut rng = Rng::new(7);
+        for &(group, hd, ps) in &[(3usize, 64usize, 64usize), (8, 64, 32), (1, 128, 64), (3, 128, 32)] {
+            for visible in [1usize, 37, 64, 95, 128, 129] {
+                let n_pages = visible.div_ceil(ps);
+                // keys Kᵀ [hd][ps] and values [ps][hd] per page, NaN past the context
+                let mut kt = vec![vec![f32_to_bf16_bits(f32::NAN); hd * ps]; n_pages];
+                let mut vv = vec![vec![f32_to_bf16_bits(f32::NAN); hd * ps]; n_pages];
+                let mut keys = vec![vec![0f32; hd]; visible];
+                let mut vals = vec![vec![0f32; hd]; visible];
+                for t in 0..visible {
+                    for d in 0..hd {
+                        keys[t][d] = bf((rng.next_f64() * 4.0 - 2.0) as f32);
+                        vals[t][d] = bf((rng.next_f64() * 4.0 - 2.0) as f32);
+                        kt[t / ps][d * ps + t % ps] = f32_to_bf16_bits(keys[t][d]);
+                        vv[t / ps][(t % ps) * hd + d] = f32_to_bf16_bits(vals[t][d]);
+                    }
+                }
+                let q: Vec<f32> = (0..group * hd).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32).collect();
+                let scale = 1.0 / (hd as f32).sqrt();
+                let mut out = vec![f32::NAN; group * hd];
+                super::decode_row(|i| &kt[i][..], |i| &vv[i][..], |_| std::ptr::null(), (ps, hd, visible), &q, group, scale, &mut out);
+                for h in 0..group {
+                    let qh: Vec<f64> = q[h * hd..(h + 1) * hd].iter().map(|&x| bf(x) as f64).collect();
+                    let s: Vec<f64> = keys.iter().map(|k| k.iter().zip(&qh).map(|(&a, b)| a as f64 * b).sum::<f64>() * scale as f64).collect();
+                    let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                    let l: f64 = e.iter().sum();
+                    for c in 0..hd {
+                        let want = e.iter().zip(&vals).map(|(&p, v)| bf(p as f32) as f64 * v[c] as f64).sum::<f64>() / l;
+                        let got = out[h * hd + c] as f64;
+                        // the numerators' roundings may differ where the f32 and f64 scores
+                        // straddle a bf16 boundary: one ulp (2⁻⁸ relative) of a term, of |v| ≤ 2
+                        assert!((got - want).abs() < 2f64.powi(-7) * 2.0 / l.max(1.0) + 1e-5, "group {group}, hd {hd}, pages of {ps}, {visible} keys, head {h}, column {c}: {got} vs {want}");
+                    }
+                }
+            }
+        }
     }
 
     /// Whether this CPU lacks the bf16 attention (then the test has nothing to check; said so).
