@@ -810,6 +810,20 @@ pub unsafe fn transpose_out(src: &[f32], lds: usize, rows: usize, cols: usize, d
     }
 }
 
+/// `$m::$f::<H, NB>(a)` for `hc` ≤ 3 heads and `nb` ≤ 2 blocks (constants of the kernels).
+macro_rules! heads_blocks {
+    ($m:ident::$f:ident, $hc:expr, $nb:expr, $a:expr) => {
+        match ($hc, $nb) {
+            (1, 1) => $m::$f::<1, 1>($a),
+            (2, 1) => $m::$f::<2, 1>($a),
+            (3, 1) => $m::$f::<3, 1>($a),
+            (1, _) => $m::$f::<1, 2>($a),
+            (2, _) => $m::$f::<2, 2>($a),
+            _ => $m::$f::<3, 2>($a),
+        }
+    };
+}
+
 /// Whether a decode row of heads of `hd` over pages of `ps` keys runs on `decode_row`
 /// (`vdpbf16ps`, whole blocks of 32 keys and 32 columns).
 pub fn decode_usable(hd: usize, ps: usize) -> bool {
@@ -840,8 +854,83 @@ pub fn decode_row<'a>(
     out: &mut [f32],
 ) {
     assert!(decode_usable(hd, ps) && q.len() >= group * hd && out.len() >= group * hd && visible > 0);
-    DECODE_SCRATCH.with_borrow_mut(|d| decode_row_in(kt, vals, next, (ps, hd, visible), q, group, scale, out, &mut d.qp, &mut d.scores, &mut d.pp, &mut d.sums))
+    DECODE_SCRATCH.with_borrow_mut(|d| {
+        let DecodeScratch { qp, scores, pp, sums } = d;
+        let n_pages = visible.div_ceil(ps);
+        let half = hd / 2;
+        // Q as pair words, head after head
+        qp.resize(group * half, 0);
+        for h in 0..group {
+            to_pairs(&q[h * hd..(h + 1) * hd], &mut qp[h * half..(h + 1) * half]);
+        }
+        // scores[h·visible + t] (every one written below); numerators as pair words, pw per head
+        scores.resize(group * visible, 0.0);
+        let pw = visible.div_ceil(2);
+        pp.resize(group * pw, 0);
+        if visible % 2 == 1 {
+            // an odd last key's partner: `softmax_row` writes `visible` halves, this one must be 0
+            for h in 0..group {
+                pp[h * pw + pw - 1] = 0;
+            }
+        }
+        sums.resize(group, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        // Safety: decode_usable: AVX512_BF16 (with F/BW); every block holds hd·ps values, the keys
+        // read are < ps of each page (whole 32-key blocks), scores/pp/out are sized above.
+        unsafe {
+            // ≤ 3 heads × ≤ 2 blocks of 32 keys (or columns) a pass: 6–12 sums in flight, as many as
+            // `vdpbf16ps`'s latency needs with the weights' rows shared
+            let mut h0 = 0;
+            while h0 < group {
+                let hc = (group - h0).min(3);
+                for pi in 0..n_pages {
+                    let (t0, k) = (pi * ps, kt(pi));
+                    assert!(k.len() >= hd * ps);
+                    let nt = ps.min(visible - t0);
+                    let pf = if h0 == 0 { next(pi + 1) } else { std::ptr::null() };
+                    let mut j0 = 0;
+                    while j0 < nt {
+                        let nb = if nt - j0 > T && j0 + 2 * T <= ps { 2 } else { 1 };
+                        let n = (nt - j0).min(nb * T);
+                        let (qh, o) = (qp.as_ptr().add(h0 * half), scores.as_mut_ptr().add(h0 * visible + t0 + j0));
+                        let a = (k.as_ptr(), ps, hd, j0, qh, half, o, visible, n, pf);
+                        heads_blocks!(decode_x512::scores, hc, nb, a);
+                        j0 += nb * T;
+                    }
+                }
+                h0 += hc;
+            }
+            for h in 0..group {
+                sums[h] = softmax_row::<false>(&mut scores[h * visible..(h + 1) * visible], scale, &mut pp[h * pw..(h + 1) * pw]).1;
+            }
+            // the value blocks and what to prefetch during each
+            let vps: Vec<*const u16> = (0..n_pages)
+                .map(|pi| {
+                    let v = vals(pi);
+                    assert!(v.len() >= ps.min(visible - pi * ps) * hd);
+                    v.as_ptr()
+                })
+                .collect();
+            let vnext: Vec<*const u16> = (0..n_pages).map(|pi| next(n_pages + pi + 1)).collect();
+            let mut h0 = 0;
+            while h0 < group {
+                let hc = (group - h0).min(3);
+                let mut c0 = 0;
+                while c0 < hd {
+                    let nb = if c0 + 2 * T <= hd { 2 } else { 1 };
+                    let pf: &[*const u16] = if h0 == 0 && c0 == 0 { &vnext } else { &[] };
+                    let a = (&vps[..], pf, ps, hd, visible, c0, pp.as_ptr().add(h0 * pw), pw, &sums[h0..], out.as_mut_ptr().add(h0 * hd));
+                    heads_blocks!(decode_x512::values, hc, nb, a);
+                    c0 += nb * T;
+                }
+                h0 += hc;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("decode_usable() is false off x86_64");
+    })
 }
+
 
 /// `decode_row`'s buffers (Q pairs, scores, numerator pairs, sums), kept by each thread: a decode
 /// step runs one `decode_row` per sequence, kv head and layer.
@@ -856,108 +945,6 @@ thread_local! {
     static DECODE_SCRATCH: RefCell<DecodeScratch> = const { RefCell::new(DecodeScratch { qp: Vec::new(), scores: Vec::new(), pp: Vec::new(), sums: Vec::new() }) };
 }
 
-#[allow(clippy::too_many_arguments)]
-fn decode_row_in<'a>(
-    kt: impl Fn(usize) -> &'a [u16],
-    vals: impl Fn(usize) -> &'a [u16],
-    next: impl Fn(usize) -> *const u16,
-    (ps, hd, visible): (usize, usize, usize),
-    q: &[f32],
-    group: usize,
-    scale: f32,
-    out: &mut [f32],
-    qp: &mut Vec<u32>,
-    scores: &mut Vec<f32>,
-    pp: &mut Vec<u32>,
-    sums: &mut Vec<f32>,
-) {
-    let n_pages = visible.div_ceil(ps);
-    let half = hd / 2;
-    // Q as pair words, head after head
-    qp.resize(group * half, 0);
-    for h in 0..group {
-        to_pairs(&q[h * hd..(h + 1) * hd], &mut qp[h * half..(h + 1) * half]);
-    }
-    // scores[h·visible + t] (every one written below); numerators as pair words, pw per head
-    scores.resize(group * visible, 0.0);
-    let pw = visible.div_ceil(2);
-    pp.resize(group * pw, 0);
-    if visible % 2 == 1 {
-        // an odd last key's partner: `softmax_row` writes `visible` halves, this one must be 0
-        for h in 0..group {
-            pp[h * pw + pw - 1] = 0;
-        }
-    }
-    sums.resize(group, 0.0);
-    #[cfg(target_arch = "x86_64")]
-    // Safety: decode_usable: AVX512_BF16 (with F/BW); every block holds hd·ps values, the keys
-    // read are < ps of each page (whole 32-key blocks), scores/pp/out are sized above.
-    unsafe {
-        // ≤ 3 heads × ≤ 2 blocks of 32 keys (or columns) a pass: 6–12 sums in flight, as many as
-        // `vdpbf16ps`'s latency needs with the weights' rows shared
-        let mut h0 = 0;
-        while h0 < group {
-            let hc = (group - h0).min(3);
-            for pi in 0..n_pages {
-                let (t0, k) = (pi * ps, kt(pi));
-                assert!(k.len() >= hd * ps);
-                let nt = ps.min(visible - t0);
-                let pf = if h0 == 0 { next(pi + 1) } else { std::ptr::null() };
-                let mut j0 = 0;
-                while j0 < nt {
-                    let nb = if nt - j0 > T && j0 + 2 * T <= ps { 2 } else { 1 };
-                    let n = (nt - j0).min(nb * T);
-                    let (qh, o) = (qp.as_ptr().add(h0 * half), scores.as_mut_ptr().add(h0 * visible + t0 + j0));
-                    let a = (k.as_ptr(), ps, hd, j0, qh, half, o, visible, n, pf);
-                    match (hc, nb) {
-                        (1, 1) => decode_x512::scores::<1, 1>(a),
-                        (2, 1) => decode_x512::scores::<2, 1>(a),
-                        (3, 1) => decode_x512::scores::<3, 1>(a),
-                        (1, _) => decode_x512::scores::<1, 2>(a),
-                        (2, _) => decode_x512::scores::<2, 2>(a),
-                        _ => decode_x512::scores::<3, 2>(a),
-                    }
-                    j0 += nb * T;
-                }
-            }
-            h0 += hc;
-        }
-        for h in 0..group {
-            sums[h] = softmax_row::<false>(&mut scores[h * visible..(h + 1) * visible], scale, &mut pp[h * pw..(h + 1) * pw]).1;
-        }
-        // the value blocks and what to prefetch during each
-        let vps: Vec<*const u16> = (0..n_pages)
-            .map(|pi| {
-                let v = vals(pi);
-                assert!(v.len() >= ps.min(visible - pi * ps) * hd);
-                v.as_ptr()
-            })
-            .collect();
-        let vnext: Vec<*const u16> = (0..n_pages).map(|pi| next(n_pages + pi + 1)).collect();
-        let mut h0 = 0;
-        while h0 < group {
-            let hc = (group - h0).min(3);
-            let mut c0 = 0;
-            while c0 < hd {
-                let nb = if c0 + 2 * T <= hd { 2 } else { 1 };
-                let pf: &[*const u16] = if h0 == 0 && c0 == 0 { &vnext } else { &[] };
-                let a = (&vps[..], pf, ps, hd, visible, c0, pp.as_ptr().add(h0 * pw), pw, &sums[h0..], out.as_mut_ptr().add(h0 * hd));
-                match (hc, nb) {
-                    (1, 1) => decode_x512::values::<1, 1>(a),
-                    (2, 1) => decode_x512::values::<2, 1>(a),
-                    (3, 1) => decode_x512::values::<3, 1>(a),
-                    (1, _) => decode_x512::values::<1, 2>(a),
-                    (2, _) => decode_x512::values::<2, 2>(a),
-                    _ => decode_x512::values::<3, 2>(a),
-                }
-                c0 += nb * T;
-            }
-            h0 += hc;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("decode_usable() is false off x86_64");
-}
 
 /// `decode_row`'s two products. A pair row is `unpacklo/hi_epi16` of two rows of 32 bf16 (two
 /// dimensions of 32 keys, or two keys of 32 columns): lane `4L + w` of the low half holds element
