@@ -855,7 +855,7 @@ pub fn decode_row<'a>(
 ) {
     assert!(decode_usable(hd, ps) && q.len() >= group * hd && out.len() >= group * hd && visible > 0);
     DECODE_SCRATCH.with_borrow_mut(|d| {
-        let DecodeScratch { qp, scores, pp, sums } = d;
+        let DecodeScratch { qp, scores, pp, sums, vps, vnext } = d;
         let n_pages = visible.div_ceil(ps);
         let half = hd / 2;
         // Q as pair words, head after head
@@ -904,21 +904,21 @@ pub fn decode_row<'a>(
                 sums[h] = softmax_row::<false>(&mut scores[h * visible..(h + 1) * visible], scale, &mut pp[h * pw..(h + 1) * pw]).1;
             }
             // the value blocks and what to prefetch during each
-            let vps: Vec<*const u16> = (0..n_pages)
-                .map(|pi| {
-                    let v = vals(pi);
-                    assert!(v.len() >= ps.min(visible - pi * ps) * hd);
-                    v.as_ptr()
-                })
-                .collect();
-            let vnext: Vec<*const u16> = (0..n_pages).map(|pi| next(n_pages + pi + 1)).collect();
+            vps.clear();
+            vnext.clear();
+            for pi in 0..n_pages {
+                let v = vals(pi);
+                assert!(v.len() >= ps.min(visible - pi * ps) * hd);
+                vps.push(v.as_ptr());
+                vnext.push(next(n_pages + pi + 1));
+            }
             let mut h0 = 0;
             while h0 < group {
                 let hc = (group - h0).min(3);
                 let mut c0 = 0;
                 while c0 < hd {
                     let nb = if c0 + 2 * T <= hd { 2 } else { 1 };
-                    let pf: &[*const u16] = if h0 == 0 && c0 == 0 { &vnext } else { &[] };
+                    let pf: &[*const u16] = if h0 == 0 && c0 == 0 { vnext } else { &[] };
                     let a = (&vps[..], pf, ps, hd, visible, c0, pp.as_ptr().add(h0 * pw), pw, &sums[h0..], out.as_mut_ptr().add(h0 * hd));
                     heads_blocks!(decode_x512::values, hc, nb, a);
                     c0 += nb * T;
@@ -932,17 +932,20 @@ pub fn decode_row<'a>(
 }
 
 
-/// `decode_row`'s buffers (Q pairs, scores, numerator pairs, sums), kept by each thread: a decode
-/// step runs one `decode_row` per sequence, kv head and layer.
+/// `decode_row`'s buffers (Q pairs, scores, numerator pairs, sums, the value blocks and what to
+/// prefetch during each), kept by each thread: a decode step runs one `decode_row` per sequence,
+/// kv head and layer.
 struct DecodeScratch {
     qp: Vec<u32>,
     scores: Vec<f32>,
     pp: Vec<u32>,
     sums: Vec<f32>,
+    vps: Vec<*const u16>,
+    vnext: Vec<*const u16>,
 }
 
 thread_local! {
-    static DECODE_SCRATCH: RefCell<DecodeScratch> = const { RefCell::new(DecodeScratch { qp: Vec::new(), scores: Vec::new(), pp: Vec::new(), sums: Vec::new() }) };
+    static DECODE_SCRATCH: RefCell<DecodeScratch> = const { RefCell::new(DecodeScratch { qp: Vec::new(), scores: Vec::new(), pp: Vec::new(), sums: Vec::new(), vps: Vec::new(), vnext: Vec::new() }) };
 }
 
 
