@@ -489,9 +489,8 @@ fn prefill_section_prefixes<B: Backend>(
     }
     let mut items = vec![];
     let mut at = vec![];
-    for (j, (&(_, kind), group)) in live.iter().zip(prompts).enumerate() {
+    for (j, (&(q, kind), group)) in live.iter().zip(prompts).enumerate() {
         if let (ConvKind::Update, Some((first, _))) = (kind, group.first()) {
-            let q = live[j].0;
             let len = shared_len(group.iter().map(|(ids, _)| ids.as_slice()));
             let want = &first[..len];
             let (fin, fin_len) = &prep[q].final_empty;

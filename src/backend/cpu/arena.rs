@@ -20,7 +20,8 @@ use super::gemm_bf16::Line;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 
-const HUGE: usize = 2 << 20;
+/// A huge page (x86-64's 2 MiB), the unit transparent huge pages back.
+pub(crate) const HUGE: usize = 2 << 20;
 /// Address space per shared chunk.
 const CHUNK: usize = 64 << 20;
 
@@ -117,7 +118,7 @@ impl Lines {
                     f.used = 0; // every matrix placed in it is gone: fill it again from the start
                 }
             }
-            if !g.as_ref().is_some_and(|f| (f.used + len) * 64 <= f.chunk.bytes) {
+            if g.as_ref().is_none_or(|f| (f.used + len) * 64 > f.chunk.bytes) {
                 match Chunk::new(CHUNK) {
                     Some(c) => *g = Some(Filling { chunk: Arc::new(c), used: 0 }),
                     None => return Lines::fallback(len),

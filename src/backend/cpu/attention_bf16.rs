@@ -931,7 +931,6 @@ pub fn decode_row<'a>(
     })
 }
 
-
 /// `decode_row`'s buffers (Q pairs, scores, numerator pairs, sums, the value blocks and what to
 /// prefetch during each), kept by each thread: a decode step runs one `decode_row` per sequence,
 /// kv head and layer.
@@ -948,7 +947,6 @@ thread_local! {
     static DECODE_SCRATCH: RefCell<DecodeScratch> = const { RefCell::new(DecodeScratch { qp: Vec::new(), scores: Vec::new(), pp: Vec::new(), sums: Vec::new(), vps: Vec::new(), vnext: Vec::new() }) };
 }
 
-
 /// `decode_row`'s two products. A pair row is `unpacklo/hi_epi16` of two rows of 32 bf16 (two
 /// dimensions of 32 keys, or two keys of 32 columns): lane `4L + w` of the low half holds element
 /// `8L + w` of the 32, of the high half element `8L + 4 + w` (`L` the 128-bit lane, `w < 4`);
@@ -963,6 +961,19 @@ mod decode_x512 {
         let first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
         let second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
         (_mm512_permutex2var_ps(lo, first, hi), _mm512_permutex2var_ps(lo, second, hi))
+    }
+
+    /// Two rows of 32 bf16 as the pair words of their elements, low and high half (the lane
+    /// order of the module doc).
+    #[inline(always)]
+    unsafe fn pair_rows(x: __m512i, y: __m512i) -> (__m512bh, __m512bh) {
+        (std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(x, y)), std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(x, y)))
+    }
+
+    /// One pair word in every lane.
+    #[inline(always)]
+    unsafe fn word(w: u32) -> __m512bh {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(w as i32))
     }
 
     #[inline(always)]
@@ -988,11 +999,10 @@ mod decode_x512 {
                 pf_l2(pf, r0 + b * T);
                 pf_l2(pf, r1 + b * T);
                 let (x, y) = (_mm512_loadu_si512(kt.add(r0 + b * T) as *const _), _mm512_loadu_si512(kt.add(r1 + b * T) as *const _));
-                pl[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(x, y));
-                ph[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(x, y));
+                (pl[b], ph[b]) = pair_rows(x, y);
             }
             for h in 0..H {
-                let qv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*qp.add(h * qs + p) as i32));
+                let qv = word(*qp.add(h * qs + p));
                 for b in 0..NB {
                     lo[h][b] = _mm512_dpbf16_ps(lo[h][b], pl[b], qv);
                     hi[h][b] = _mm512_dpbf16_ps(hi[h][b], ph[b], qv);
@@ -1036,8 +1046,7 @@ mod decode_x512 {
                 for b in 0..NB {
                     let x = _mm512_loadu_si512(vp.add(t * hd + b * T) as *const _);
                     let y = if t + 1 < nt { _mm512_loadu_si512(vp.add((t + 1) * hd + b * T) as *const _) } else { _mm512_setzero_si512() };
-                    pl[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(x, y));
-                    ph[b] = std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(x, y));
+                    (pl[b], ph[b]) = pair_rows(x, y);
                 }
                 for c in (0..hd).step_by(T) {
                     pf_l2(pf, t * hd + c);
@@ -1045,7 +1054,7 @@ mod decode_x512 {
                 }
                 let u = (t0 + t) / 2;
                 for h in 0..H {
-                    let pv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*pp.add(h * pw + u) as i32));
+                    let pv = word(*pp.add(h * pw + u));
                     for b in 0..NB {
                         lo[h][b] = _mm512_dpbf16_ps(lo[h][b], pl[b], pv);
                         hi[h][b] = _mm512_dpbf16_ps(hi[h][b], ph[b], pv);

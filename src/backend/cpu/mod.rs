@@ -83,7 +83,7 @@ impl Default for CpuBackend {
 /// kernel). The buffer is advised before it is first written, so the pages are huge from the
 /// start. Small buffers and non-Linux targets are returned unchanged.
 fn huge_page_copy(data: Vec<f32>) -> Vec<f32> {
-    const HUGE: usize = 2 << 20;
+    use arena::HUGE;
     #[cfg(target_os = "linux")]
     if data.len() * 4 >= 2 * HUGE {
         let mut v: Vec<f32> = Vec::with_capacity(data.len());
