@@ -158,6 +158,17 @@ fn bf16_batched_equals_one_by_one() {
     }
 }
 
+/// With bf16 weights a row's results do not depend on the other rows of its step, so the last
+/// layer running only the wanted rows (`Model::step`) gives the bits of a step that keeps them all.
+#[test]
+fn bf16_dropping_unwanted_rows_from_the_last_layer_keeps_the_bits() {
+    for arch in ["llama", "qwen2", "qwen3"] {
+        for (i, (got, want)) in pruned_vs_every_row(&tiny_bf16(arch)).into_iter().enumerate() {
+            assert_eq!(got.to_bits(), want.to_bits(), "{arch} output {i}: {got} with unwanted rows dropped, {want} with every row kept");
+        }
+    }
+}
+
 /// With `--dtype bf16` the KV cache holds bf16 (as on CUDA). Widening a bf16 is exact and the
 /// bf16 kernels keep the f32 kernels' order of operations, so attention over the bf16 cache must
 /// equal, bit for bit, attention over an f32 cache that was given K and V already rounded to

@@ -1,6 +1,8 @@
 //! One batched forward step over any mix of sequences: prefill chunks, single decode tokens and
 //! teacher-forced scoring share one pass (continuous batching). Every token's K/V goes into the
-//! paged cache; only the rows whose outputs are wanted reach the final norm and the head.
+//! paged cache; only the rows whose outputs are wanted go through the last layer's attention and
+//! MLP and reach the final norm and the head (a prefill chunk that does not end its prompt, or the
+//! context before scored targets, stops at storing its last-layer K/V).
 use super::kv::{KvCache, Seq};
 use super::model::Model;
 use crate::backend::{AttnSeq, Backend, LoraSlice, SampleParams, Sampled};
@@ -71,25 +73,59 @@ impl<B: Backend> Model<B> {
         let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
         let qkv_dim = q_dim + 2 * kv_dim;
 
-        // ---- layout: rows of all entries, their positions and cache slots ----
         let n: usize = entries.iter().map(|e| e.tokens.len()).sum();
         if n == 0 {
             return Ok(entries.iter().map(|_| EntryOut::default()).collect());
         }
-        let mut ids = Vec::with_capacity(n);
-        let mut positions = Vec::with_capacity(n);
-        let mut slots = Vec::with_capacity(n);
-        let mut row0 = Vec::with_capacity(entries.len());
-        for e in entries.iter_mut() {
-            if e.tokens.is_empty() {
-                if !matches!(e.want, Want::Nothing) {
-                    bail!("a step entry with no tokens cannot produce outputs");
-                }
+        // each entry's first row in the step
+        let row0: Vec<usize> = entries.iter().scan(0, |r, e| Some(std::mem::replace(r, *r + e.tokens.len()))).collect();
+        // ---- the rows that leave the model: an entry's last row (sampling, logits) or its
+        // log-prob rows; every other row only extends the cache ----
+        let mut last_rows = Vec::new(); // (entry, row)
+        let mut lp_rows = Vec::new();
+        let mut lp_targets = Vec::new();
+        let mut lp_owner = Vec::new();
+        let mut runs = Vec::new(); // (entry, first row, rows): each entry's wanted rows, one run
+        for (i, e) in entries.iter().enumerate() {
+            // checked before any slot is reserved
+            if e.tokens.is_empty() && !matches!(e.want, Want::Nothing) {
+                bail!("a step entry with no tokens cannot produce outputs");
             }
             if let Some(&bad) = e.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
                 bail!("token id {bad} is outside the vocabulary (size {})", cfg.vocab);
             }
-            row0.push(ids.len());
+            match &e.want {
+                Want::Nothing => {}
+                Want::Logits | Want::Sample { .. } => {
+                    last_rows.push((i, (row0[i] + e.tokens.len() - 1) as u32));
+                    runs.push((i, e.tokens.len() - 1, 1));
+                }
+                Want::LogProbs { first_row, targets } => {
+                    if first_row + targets.len() > e.tokens.len() {
+                        bail!("log-prob rows {}..{} beyond the entry's {} tokens", first_row, first_row + targets.len(), e.tokens.len());
+                    }
+                    for (j, &t) in targets.iter().enumerate() {
+                        if t as usize >= cfg.vocab {
+                            bail!("target id {t} is outside the vocabulary (size {})", cfg.vocab);
+                        }
+                        lp_rows.push((row0[i] + first_row + j) as u32);
+                        lp_targets.push(t);
+                        lp_owner.push(i);
+                    }
+                    if !targets.is_empty() {
+                        runs.push((i, *first_row, targets.len()));
+                    }
+                }
+            }
+        }
+        // ascending (entries in order, one run each), so a row's place in it is a binary search
+        let kept: Vec<u32> = runs.iter().flat_map(|&(i, a, len)| (row0[i] + a..row0[i] + a + len).map(|r| r as u32)).collect();
+
+        // ---- layout: every row's token, position and cache slot ----
+        let mut ids = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
+        for e in entries.iter_mut() {
             ids.extend_from_slice(e.tokens);
             positions.extend((e.seq.len..e.seq.len + e.tokens.len()).map(|p| p as u32));
             slots.extend(kv.reserve(be, e.seq, e.tokens.len())?);
@@ -111,11 +147,30 @@ impl<B: Backend> Model<B> {
         let mut act = be.zeros(n * inter)?;
         be.embed(&self.embed, &ids, d, &mut x)?;
         be.rmsnorm(&x, &self.layers[0].attn_norm, cfg.rms_eps, n, d, &mut h)?;
+        let n_layers = self.layers.len();
         for (l, w) in self.layers.iter().enumerate() {
             let ls = |projs: &[(Proj, usize)]| self.lora_slices(l, projs);
             prof::time("matmul_qkv", || be.matmul_lora(&h, &w.qkv, w.qkv_bias.as_ref(), n, d, qkv_dim, &mut qkv, &ls(&[(Proj::Q, 0), (Proj::K, q_dim), (Proj::V, q_dim + kv_dim)])))?;
             prof::time("rope", || self.rope_layer(l, &mut qkv, &positions))?;
             prof::time("kv_store", || be.kv_store(&mut kv.store, l, &qkv, &slots, g))?;
+            if l + 1 == n_layers && kept.len() < n {
+                // The last layer's output reaches only the final norm and the head, so the rows
+                // that leave nothing stop once their K/V are stored: the kept rows alone go on
+                // (a row's result does not depend on the other rows of its batch, so theirs are
+                // the same bits).
+                let kseqs: Vec<AttnSeq> = runs
+                    .iter()
+                    .map(|&(i, a, len)| {
+                        let e = &entries[i];
+                        // the run as the last rows of a context that ends at its last row
+                        AttnSeq { q_row: row0[i] + a, n_q: len, ctx_len: e.seq.len + a + len, pages: &e.seq.pages, sampled: e.sampled }
+                    })
+                    .collect();
+                if let Some(xk) = self.last_layer_rows(l, &x, &qkv, &mut att, &kseqs, &kept, kv)? {
+                    x = xk;
+                }
+                break;
+            }
             prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
             prof::time("matmul_o", || be.matmul_lora(&att, &w.o, w.o_bias.as_ref(), n, q_dim, d, &mut o, &ls(&[(Proj::O, 0)])))?;
             prof::time("add_rmsnorm", || be.add_rmsnorm(&mut x, &o, &w.mlp_norm, cfg.rms_eps, n, d, &mut h))?;
@@ -126,37 +181,17 @@ impl<B: Backend> Model<B> {
                 None => be.add(&mut x, &o, n * d)?,
             }
         }
+        drop(seqs);
         for e in entries.iter_mut() {
             e.seq.len += e.tokens.len();
         }
+        // x holds the kept rows, in order, whenever some rows were dropped: a row's place there
+        let at = |r: u32| if kept.len() < n { kept.binary_search(&r).expect("a wanted row is kept") as u32 } else { r };
 
         // ---- outputs: only the wanted rows go through the final norm and the head ----
         let mut outs: Vec<EntryOut> = entries.iter().map(|_| EntryOut::default()).collect();
-        let mut last_rows = Vec::new(); // (entry, row)
-        let mut lp_rows = Vec::new();
-        let mut lp_targets = Vec::new();
-        let mut lp_owner = Vec::new();
-        for (i, e) in entries.iter().enumerate() {
-            match &e.want {
-                Want::Nothing => {}
-                Want::Logits | Want::Sample { .. } => last_rows.push((i, (row0[i] + e.tokens.len() - 1) as u32)),
-                Want::LogProbs { first_row, targets } => {
-                    if first_row + targets.len() > e.tokens.len() {
-                        bail!("log-prob rows {}..{} beyond the entry's {} tokens", first_row, first_row + targets.len(), e.tokens.len());
-                    }
-                    for (j, &t) in targets.iter().enumerate() {
-                        if t as usize >= cfg.vocab {
-                            bail!("target id {t} is outside the vocabulary (size {})", cfg.vocab);
-                        }
-                        lp_rows.push((row0[i] + first_row + j) as u32);
-                        lp_targets.push(t);
-                        lp_owner.push(i);
-                    }
-                }
-            }
-        }
         if !last_rows.is_empty() {
-            let rows: Vec<u32> = last_rows.iter().map(|r| r.1).collect();
+            let rows: Vec<u32> = last_rows.iter().map(|r| at(r.1)).collect();
             let m = rows.len();
             let mut sel = be.zeros(m * d)?;
             let mut hn = be.zeros(m * d)?;
@@ -229,7 +264,7 @@ impl<B: Backend> Model<B> {
             let m = lp_rows.len();
             let mut sel = be.zeros(m * d)?;
             let mut hn = be.zeros(m * d)?;
-            be.gather_rows(&x, &lp_rows, d, &mut sel)?;
+            be.gather_rows(&x, &lp_rows.iter().map(|&r| at(r)).collect::<Vec<u32>>(), d, &mut sel)?;
             be.rmsnorm(&sel, &self.final_norm, cfg.rms_eps, m, d, &mut hn)?;
             let lps = prof::time("head_logprobs", || be.logprobs(&hn, self.head(), &lp_targets, d, cfg.vocab))?;
             for (k, (lp, &i)) in lps.into_iter().zip(&lp_owner).enumerate() {
@@ -243,6 +278,33 @@ impl<B: Backend> Model<B> {
             }
         }
         Ok(outs)
+    }
+
+    /// The last layer for the `kept` rows alone (ascending rows of the step; `kseqs`, their
+    /// runs as attention rows), its K/V already stored: attention, o, the MLP and the residual
+    /// adds. Returns their residual stream, `[kept.len(), hidden]` in `kept`'s order (`None`
+    /// when no row is kept).
+    #[allow(clippy::too_many_arguments)]
+    fn last_layer_rows(&self, l: usize, x: &B::Buf, qkv: &B::Buf, att: &mut B::Buf, kseqs: &[AttnSeq], kept: &[u32], kv: &KvCache<B>) -> Result<Option<B::Buf>> {
+        let (be, cfg, w) = (&self.be, &self.cfg, &self.layers[l]);
+        let (d, inter, q_dim) = (cfg.hidden, cfg.intermediate, cfg.q_dim());
+        let m = kept.len();
+        if m == 0 {
+            return Ok(None);
+        }
+        let ls = |projs: &[(Proj, usize)]| self.lora_slices(l, projs);
+        prof::time("attention", || be.attention(&kv.store, l, qkv, kseqs, self.geom(), att))?;
+        let (mut xk, mut ak) = (be.zeros(m * d)?, be.zeros(m * q_dim)?);
+        be.gather_rows(x, kept, d, &mut xk)?;
+        be.gather_rows(att, kept, q_dim, &mut ak)?;
+        let (mut o, mut h) = (be.zeros(m * d)?, be.zeros(m * d)?);
+        let (mut gu, mut act) = (be.zeros(m * 2 * inter)?, be.zeros(m * inter)?);
+        prof::time("matmul_o", || be.matmul_lora(&ak, &w.o, w.o_bias.as_ref(), m, q_dim, d, &mut o, &ls(&[(Proj::O, 0)])))?;
+        prof::time("add_rmsnorm", || be.add_rmsnorm(&mut xk, &o, &w.mlp_norm, cfg.rms_eps, m, d, &mut h))?;
+        prof::time("matmul_gate_up_swiglu", || be.matmul_lora_swiglu(&h, &w.gate_up, m, d, inter, &mut gu, &mut act, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
+        prof::time("matmul_down", || be.matmul_lora(&act, &w.down, None, m, inter, d, &mut o, &ls(&[(Proj::Down, 0)])))?;
+        be.add(&mut xk, &o, m * d)?;
+        Ok(Some(xk))
     }
 
     /// The adapter's pairs among `projs` (projection, its first column in the fused output) of

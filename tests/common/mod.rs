@@ -200,3 +200,39 @@ pub fn assert_scratch_unread(model: &Model<CpuBackend>, seqs: &[infomem_engine::
         assert!(nonzero > 0, "{label} keep {keep}: every gradient is zero");
     }
 }
+
+/// One step mixing a prefill entry that wants nothing, a scoring entry that wants rows 2..5 of
+/// 12 and a logits entry — so the last layer runs only the wanted rows (`Model::step`) — against
+/// the same outputs with every row of the step wanted: rows 2..5 as part of log-probs over all 12
+/// rows, and the logits entry's last row fed alone after its first rows were read by a step that
+/// wants nothing (whose last layer stops at storing K/V). Returns (pruned, reference) pairs: the
+/// three log-probs, then every logit.
+pub fn pruned_vs_every_row<B: infomem_engine::backend::Backend>(m: &Model<B>) -> Vec<(f32, f32)> {
+    use infomem_engine::runtime::{kv_for, Entry, Seq, Want};
+    let toks = |n: usize, base: u32| -> Vec<u32> { (0..n as u32).map(|i| base + (i * 37) % 200).collect() };
+    let (p, q, s) = (toks(12, 5), toks(9, 40), toks(7, 90));
+    let step = |kv: &mut _, entries: &mut [Entry]| m.step(kv, entries).unwrap();
+    // every row of P wanted
+    let mut kv = kv_for(m, 256).unwrap();
+    let mut sp = Seq::default();
+    let next: Vec<u32> = p[1..].iter().copied().chain([7]).collect();
+    let all = step(&mut kv, &mut [Entry { seq: &mut sp, tokens: &p, want: Want::LogProbs { first_row: 0, targets: next.clone() }, sampled: false }]).remove(0).logprobs;
+    // S's first rows wanting nothing, then its last row alone
+    let mut kv = kv_for(m, 256).unwrap();
+    let mut ss = Seq::default();
+    step(&mut kv, &mut [Entry { seq: &mut ss, tokens: &s[..6], want: Want::Nothing, sampled: false }]);
+    let alone = step(&mut kv, &mut [Entry { seq: &mut ss, tokens: &s[6..], want: Want::Logits, sampled: false }]).remove(0).logits.unwrap();
+    // the mixed step
+    let mut kv = kv_for(m, 256).unwrap();
+    let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
+    let mut mixed = [
+        Entry { seq: &mut a, tokens: &q, want: Want::Nothing, sampled: false },
+        Entry { seq: &mut b, tokens: &p, want: Want::LogProbs { first_row: 2, targets: next[2..5].to_vec() }, sampled: false },
+        Entry { seq: &mut c, tokens: &s, want: Want::Logits, sampled: false },
+    ];
+    let out = step(&mut kv, &mut mixed);
+    assert_eq!(out[1].logprobs.len(), 3);
+    let mut pairs: Vec<(f32, f32)> = out[1].logprobs.iter().copied().zip(all[2..5].iter().copied()).collect();
+    pairs.extend(out[2].logits.as_ref().unwrap().iter().copied().zip(alone));
+    pairs
+}
