@@ -202,15 +202,16 @@ fn forked_prefix_scores_like_fresh() {
     assert_eq!(kv.pages_in_use(), 0);
 }
 
-/// The last layer runs only the rows a step returns (`Model::step`); the outputs equal those of a
-/// step that wants every row, on every family (f32 sums of a different row count may reassociate:
-/// the small-`m` product kernel against the packed GEMM).
+/// The last layer runs only the rows a step returns (`Model::step`); the outputs equal those of
+/// steps that drop no row, on every family, within 1e-4 relative: f32 sums of another row count
+/// may be reassociated (the small-`m` product kernel against the packed GEMM; ~1.3e-5 measured),
+/// while a wrong row, a wrong context length or a missing last-layer K/V moves them by far more.
 #[test]
 fn dropping_unwanted_rows_from_the_last_layer_changes_no_output() {
     for arch in ARCHS {
         let m = tiny(arch);
         for (i, (got, want)) in pruned_vs_every_row(&m).into_iter().enumerate() {
-            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{arch} output {i}: {got} with unwanted rows dropped, {want} with every row kept");
+            assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{arch} output {i}: {got} with unwanted rows dropped, {want} with every row kept");
         }
     }
 }

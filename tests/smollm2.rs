@@ -148,6 +148,18 @@ fn bf16_last_logits_and_greedy_within_bf16_bounds() {
     assert!(compared >= 16, "only {compared} greedy tokens compared");
 }
 
+/// The last layer only on the rows a step returns, on the real model in bf16, where decode rows
+/// (`sampled`) and fed rows take different attention kernels wherever AVX512_BF16 or AMX is
+/// present: the same bits as steps that drop no row (tests/bf16.rs has the tiny models' version).
+#[test]
+fn bf16_dropping_unwanted_rows_from_the_last_layer_keeps_the_bits() {
+    let Some(dir) = smol_dir() else { return };
+    let m = Model::load(&dir, CpuBackend::with_weights(infomem_engine::backend::cpu::WeightDtype::Bf16)).unwrap();
+    for (i, (got, want)) in pruned_vs_every_row(&m).into_iter().enumerate() {
+        assert_eq!(got.to_bits(), want.to_bits(), "output {i}: {got} with unwanted rows dropped, {want} with every row kept");
+    }
+}
+
 /// `TrainBackend::scratch` on the real model in bf16, where the AMX (or `vdpbf16ps`) GEMMs and
 /// the bf16 training attention write the buffers the training pass keeps per layer: with every
 /// scratch buffer NaN-filled the log-probs and LoRA gradients are finite and bit for bit those of

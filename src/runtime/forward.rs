@@ -101,8 +101,8 @@ impl<B: Backend> Model<B> {
                     runs.push((i, e.tokens.len() - 1, 1));
                 }
                 Want::LogProbs { first_row, targets } => {
-                    if first_row + targets.len() > e.tokens.len() {
-                        bail!("log-prob rows {}..{} beyond the entry's {} tokens", first_row, first_row + targets.len(), e.tokens.len());
+                    if first_row.checked_add(targets.len()).is_none_or(|end| end > e.tokens.len()) {
+                        bail!("log-prob rows {}..{} beyond the entry's {} tokens", first_row, first_row.saturating_add(targets.len()), e.tokens.len());
                     }
                     for (j, &t) in targets.iter().enumerate() {
                         if t as usize >= cfg.vocab {
@@ -156,8 +156,9 @@ impl<B: Backend> Model<B> {
             if l + 1 == n_layers && kept.len() < n {
                 // The last layer's output reaches only the final norm and the head, so the rows
                 // that leave nothing stop once their K/V are stored: the kept rows alone go on
-                // (a row's result does not depend on the other rows of its batch, so theirs are
-                // the same bits).
+                // (on the CPU in bf16 a row's results do not depend on the other rows of its
+                // batch, so theirs are the same bits; f32 and CUDA sum some products in another
+                // order for another row count).
                 let kseqs: Vec<AttnSeq> = runs
                     .iter()
                     .map(|&(i, a, len)| {

@@ -202,37 +202,42 @@ pub fn assert_scratch_unread(model: &Model<CpuBackend>, seqs: &[infomem_engine::
 }
 
 /// One step mixing a prefill entry that wants nothing, a scoring entry that wants rows 2..5 of
-/// 12 and a logits entry — so the last layer runs only the wanted rows (`Model::step`) — against
-/// the same outputs with every row of the step wanted: rows 2..5 as part of log-probs over all 12
-/// rows, and the logits entry's last row fed alone after its first rows were read by a step that
-/// wants nothing (whose last layer stops at storing K/V). Returns (pruned, reference) pairs: the
-/// three log-probs, then every logit.
+/// 12, a logits entry and a decode row (`sampled`) — so the last layer runs only the wanted rows
+/// (`Model::step`) — against the same outputs from steps that drop no row: rows 2..5 as part of
+/// log-probs over all 12 rows; the logits entry's last row, and the decode row, each fed alone
+/// (one row) after the rows before it were read by a step that wants nothing (whose last layer
+/// stops at storing K/V). Returns (pruned, reference) pairs: the three log-probs, then every
+/// logit of the logits entry and of the decode row.
 pub fn pruned_vs_every_row<B: infomem_engine::backend::Backend>(m: &Model<B>) -> Vec<(f32, f32)> {
     use infomem_engine::runtime::{kv_for, Entry, Seq, Want};
     let toks = |n: usize, base: u32| -> Vec<u32> { (0..n as u32).map(|i| base + (i * 37) % 200).collect() };
-    let (p, q, s) = (toks(12, 5), toks(9, 40), toks(7, 90));
+    let (p, q, s, dp) = (toks(12, 5), toks(9, 40), toks(7, 90), toks(90, 150));
     let step = |kv: &mut _, entries: &mut [Entry]| m.step(kv, entries).unwrap();
     // every row of P wanted
-    let mut kv = kv_for(m, 256).unwrap();
+    let mut kv = kv_for(m, 1024).unwrap();
     let mut sp = Seq::default();
     let next: Vec<u32> = p[1..].iter().copied().chain([7]).collect();
     let all = step(&mut kv, &mut [Entry { seq: &mut sp, tokens: &p, want: Want::LogProbs { first_row: 0, targets: next.clone() }, sampled: false }]).remove(0).logprobs;
-    // S's first rows wanting nothing, then its last row alone
-    let mut kv = kv_for(m, 256).unwrap();
-    let mut ss = Seq::default();
-    step(&mut kv, &mut [Entry { seq: &mut ss, tokens: &s[..6], want: Want::Nothing, sampled: false }]);
+    // S's first rows wanting nothing, then its last row alone; the decode row after its prompt
+    let mut kv = kv_for(m, 1024).unwrap();
+    let (mut ss, mut sd) = (Seq::default(), Seq::default());
+    step(&mut kv, &mut [Entry { seq: &mut ss, tokens: &s[..6], want: Want::Nothing, sampled: false }, Entry { seq: &mut sd, tokens: &dp, want: Want::Nothing, sampled: false }]);
     let alone = step(&mut kv, &mut [Entry { seq: &mut ss, tokens: &s[6..], want: Want::Logits, sampled: false }]).remove(0).logits.unwrap();
-    // the mixed step
-    let mut kv = kv_for(m, 256).unwrap();
-    let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
+    let decode_alone = step(&mut kv, &mut [Entry { seq: &mut sd, tokens: &[33], want: Want::Logits, sampled: true }]).remove(0).logits.unwrap();
+    // the mixed step (the decode row's prompt read first)
+    let mut kv = kv_for(m, 1024).unwrap();
+    let (mut a, mut b, mut c, mut d) = (Seq::default(), Seq::default(), Seq::default(), Seq::default());
+    step(&mut kv, &mut [Entry { seq: &mut d, tokens: &dp, want: Want::Nothing, sampled: false }]);
     let mut mixed = [
         Entry { seq: &mut a, tokens: &q, want: Want::Nothing, sampled: false },
         Entry { seq: &mut b, tokens: &p, want: Want::LogProbs { first_row: 2, targets: next[2..5].to_vec() }, sampled: false },
         Entry { seq: &mut c, tokens: &s, want: Want::Logits, sampled: false },
+        Entry { seq: &mut d, tokens: &[33], want: Want::Logits, sampled: true },
     ];
     let out = step(&mut kv, &mut mixed);
     assert_eq!(out[1].logprobs.len(), 3);
     let mut pairs: Vec<(f32, f32)> = out[1].logprobs.iter().copied().zip(all[2..5].iter().copied()).collect();
     pairs.extend(out[2].logits.as_ref().unwrap().iter().copied().zip(alone));
+    pairs.extend(out[3].logits.as_ref().unwrap().iter().copied().zip(decode_alone));
     pairs
 }
