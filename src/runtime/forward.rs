@@ -173,10 +173,7 @@ impl<B: Backend> Model<B> {
                 break;
             }
             prof::time("attention", || be.attention(&kv.store, l, &qkv, &seqs, g, &mut att))?;
-            prof::time("matmul_o", || be.matmul_lora(&att, &w.o, w.o_bias.as_ref(), n, q_dim, d, &mut o, &ls(&[(Proj::O, 0)])))?;
-            prof::time("add_rmsnorm", || be.add_rmsnorm(&mut x, &o, &w.mlp_norm, cfg.rms_eps, n, d, &mut h))?;
-            prof::time("matmul_gate_up_swiglu", || be.matmul_lora_swiglu(&h, &w.gate_up, n, d, inter, &mut gu, &mut act, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
-            prof::time("matmul_down", || be.matmul_lora(&act, &w.down, None, n, inter, d, &mut o, &ls(&[(Proj::Down, 0)])))?;
+            self.o_and_mlp(l, n, &att, &mut x, &mut o, &mut h, &mut gu, &mut act)?;
             match self.layers.get(l + 1) {
                 Some(next) => be.add_rmsnorm(&mut x, &o, &next.attn_norm, cfg.rms_eps, n, d, &mut h)?,
                 None => be.add(&mut x, &o, n * d)?,
@@ -287,25 +284,35 @@ impl<B: Backend> Model<B> {
     /// when no row is kept).
     #[allow(clippy::too_many_arguments)]
     fn last_layer_rows(&self, l: usize, x: &B::Buf, qkv: &B::Buf, att: &mut B::Buf, kseqs: &[AttnSeq], kept: &[u32], kv: &KvCache<B>) -> Result<Option<B::Buf>> {
-        let (be, cfg, w) = (&self.be, &self.cfg, &self.layers[l]);
+        let (be, cfg) = (&self.be, &self.cfg);
         let (d, inter, q_dim) = (cfg.hidden, cfg.intermediate, cfg.q_dim());
         let m = kept.len();
         if m == 0 {
             return Ok(None);
         }
-        let ls = |projs: &[(Proj, usize)]| self.lora_slices(l, projs);
         prof::time("attention", || be.attention(&kv.store, l, qkv, kseqs, self.geom(), att))?;
         let (mut xk, mut ak) = (be.zeros(m * d)?, be.zeros(m * q_dim)?);
         be.gather_rows(x, kept, d, &mut xk)?;
         be.gather_rows(att, kept, q_dim, &mut ak)?;
         let (mut o, mut h) = (be.zeros(m * d)?, be.zeros(m * d)?);
         let (mut gu, mut act) = (be.zeros(m * 2 * inter)?, be.zeros(m * inter)?);
-        prof::time("matmul_o", || be.matmul_lora(&ak, &w.o, w.o_bias.as_ref(), m, q_dim, d, &mut o, &ls(&[(Proj::O, 0)])))?;
-        prof::time("add_rmsnorm", || be.add_rmsnorm(&mut xk, &o, &w.mlp_norm, cfg.rms_eps, m, d, &mut h))?;
-        prof::time("matmul_gate_up_swiglu", || be.matmul_lora_swiglu(&h, &w.gate_up, m, d, inter, &mut gu, &mut act, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
-        prof::time("matmul_down", || be.matmul_lora(&act, &w.down, None, m, inter, d, &mut o, &ls(&[(Proj::Down, 0)])))?;
+        self.o_and_mlp(l, m, &ak, &mut xk, &mut o, &mut h, &mut gu, &mut act)?;
         be.add(&mut xk, &o, m * d)?;
         Ok(Some(xk))
+    }
+
+    /// Layer `l` of `rows` rows from its attention output `att` on: the o projection added to
+    /// the residual `x`, the MLP norm into `h`, the MLP (gate/up and SwiGLU into `gu`/`act`), its
+    /// output left in `o` for the caller to add. One body for every row set the step runs.
+    #[allow(clippy::too_many_arguments)]
+    fn o_and_mlp(&self, l: usize, rows: usize, att: &B::Buf, x: &mut B::Buf, o: &mut B::Buf, h: &mut B::Buf, gu: &mut B::Buf, act: &mut B::Buf) -> Result<()> {
+        let (be, cfg, w) = (&self.be, &self.cfg, &self.layers[l]);
+        let (d, inter, q_dim) = (cfg.hidden, cfg.intermediate, cfg.q_dim());
+        let ls = |projs: &[(Proj, usize)]| self.lora_slices(l, projs);
+        prof::time("matmul_o", || be.matmul_lora(att, &w.o, w.o_bias.as_ref(), rows, q_dim, d, o, &ls(&[(Proj::O, 0)])))?;
+        prof::time("add_rmsnorm", || be.add_rmsnorm(x, o, &w.mlp_norm, cfg.rms_eps, rows, d, h))?;
+        prof::time("matmul_gate_up_swiglu", || be.matmul_lora_swiglu(h, &w.gate_up, rows, d, inter, gu, act, &ls(&[(Proj::Gate, 0), (Proj::Up, inter)])))?;
+        prof::time("matmul_down", || be.matmul_lora(act, &w.down, None, rows, inter, d, o, &ls(&[(Proj::Down, 0)])))
     }
 
     /// The adapter's pairs among `projs` (projection, its first column in the fused output) of
