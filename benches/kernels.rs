@@ -247,94 +247,22 @@ fn machine(c: &mut Criterion) {
     drop(buf);
     #[cfg(target_arch = "x86_64")]
     {
+        use infomem_engine::backend::cpu::machine::peak;
         const ITERS: usize = 1 << 22;
         if infomem_engine::backend::cpu::gemm_bf16::native_available() {
-            g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 4) as u64)); // FLOP: 16 lanes × 2 products × 2
+            g.throughput(Throughput::Elements((threads * ITERS * peak::FLOPS_BF16) as u64));
             g.bench_function(format!("vdpbf16ps peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::bf16(ITERS)) })));
         }
         if is_x86_feature_detected!("avx512f") {
-            g.throughput(Throughput::Elements((threads * ITERS * peak::ACC * 16 * 2) as u64));
+            g.throughput(Throughput::Elements((threads * ITERS * peak::FLOPS_FMA) as u64));
             g.bench_function(format!("f32 FMA peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma(ITERS)) })));
         } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // a CPU without AVX-512 (the f32 GEMM and the bf16 fallback then run 8-lane FMAs)
-            g.throughput(Throughput::Elements((threads * ITERS * peak::ACC_AVX2 * 8 * 2) as u64));
+            g.throughput(Throughput::Elements((threads * ITERS * peak::FLOPS_AVX2) as u64));
             g.bench_function(format!("f32 FMA peak (AVX2), {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::fma_avx2(ITERS)) })));
         }
     }
     g.finish();
-}
-
-#[cfg(target_arch = "x86_64")]
-mod peak {
-    use std::arch::x86_64::*;
-    /// The accumulators `peak_loop!` spells out (zmm0–15; the FLOP counts multiply by this, so
-    /// it must match the assembly): more than latency × throughput (6 cycles × 2 per cycle).
-    pub const ACC: usize = 16;
-
-    /// `op zmm_i, w, x` on 16 accumulators in zmm0–15, 16 per iteration, `iters` times, then
-    /// the 16 folded into one so that none of the work is dead. In assembly: with intrinsics
-    /// over an array of accumulators rustc kept them on the stack (a load and a store around
-    /// every `vdpbf16ps`), which measured 182 GFLOP/s on a Zen 4 whose GEMM runs 420.
-    macro_rules! peak_loop {
-        ($op:literal, $w:expr, $x:expr, $iters:expr) => {{
-            let sum: __m512;
-            std::arch::asm!(
-                "vxorps zmm0, zmm0, zmm0", "vmovaps zmm1, zmm0", "vmovaps zmm2, zmm0", "vmovaps zmm3, zmm0",
-                "vmovaps zmm4, zmm0", "vmovaps zmm5, zmm0", "vmovaps zmm6, zmm0", "vmovaps zmm7, zmm0",
-                "vmovaps zmm8, zmm0", "vmovaps zmm9, zmm0", "vmovaps zmm10, zmm0", "vmovaps zmm11, zmm0",
-                "vmovaps zmm12, zmm0", "vmovaps zmm13, zmm0", "vmovaps zmm14, zmm0", "vmovaps zmm15, zmm0",
-                "2:",
-                concat!($op, " zmm0, {w}, {x}"), concat!($op, " zmm1, {w}, {x}"), concat!($op, " zmm2, {w}, {x}"), concat!($op, " zmm3, {w}, {x}"),
-                concat!($op, " zmm4, {w}, {x}"), concat!($op, " zmm5, {w}, {x}"), concat!($op, " zmm6, {w}, {x}"), concat!($op, " zmm7, {w}, {x}"),
-                concat!($op, " zmm8, {w}, {x}"), concat!($op, " zmm9, {w}, {x}"), concat!($op, " zmm10, {w}, {x}"), concat!($op, " zmm11, {w}, {x}"),
-                concat!($op, " zmm12, {w}, {x}"), concat!($op, " zmm13, {w}, {x}"), concat!($op, " zmm14, {w}, {x}"), concat!($op, " zmm15, {w}, {x}"),
-                "dec {n}", "jnz 2b",
-                "vaddps zmm0, zmm0, zmm1", "vaddps zmm2, zmm2, zmm3", "vaddps zmm4, zmm4, zmm5", "vaddps zmm6, zmm6, zmm7",
-                "vaddps zmm8, zmm8, zmm9", "vaddps zmm10, zmm10, zmm11", "vaddps zmm12, zmm12, zmm13", "vaddps zmm14, zmm14, zmm15",
-                "vaddps zmm0, zmm0, zmm2", "vaddps zmm4, zmm4, zmm6", "vaddps zmm8, zmm8, zmm10", "vaddps zmm12, zmm12, zmm14",
-                "vaddps zmm0, zmm0, zmm4", "vaddps zmm8, zmm8, zmm12", "vaddps zmm0, zmm0, zmm8",
-                w = in(zmm_reg) $w, x = in(zmm_reg) $x, n = inout(reg) $iters.max(1) => _,
-                out("zmm0") sum, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-                options(nomem, nostack),
-            );
-            _mm512_reduce_add_ps(sum)
-        }};
-    }
-
-    /// `vdpbf16ps`: 16 lanes × 2 products (4 FLOPs per lane).
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn bf16(iters: usize) -> f32 {
-        let w = _mm512_set1_epi32(0x3f80_3f80); // bf16 pairs (1, 1)
-        let x = _mm512_set1_epi32(0x3c00_3c00); // (2⁻⁷, 2⁻⁷)
-        peak_loop!("vdpbf16ps", w, x, iters)
-    }
-
-    /// f32 FMAs (two FLOPs per lane).
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn fma(iters: usize) -> f32 {
-        let (w, x) = (_mm512_set1_ps(1.0), _mm512_set1_ps(1.0 / 128.0));
-        peak_loop!("vfmadd231ps", w, x, iters)
-    }
-
-    /// 12 of the 16 ymm registers: more than latency × throughput (4–5 cycles × 2 per cycle).
-    pub const ACC_AVX2: usize = 12;
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn fma_avx2(iters: usize) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); ACC_AVX2];
-        let (w, x) = (_mm256_set1_ps(1.0), _mm256_set1_ps(1.0 / 128.0));
-        for _ in 0..iters {
-            for a in acc.iter_mut() {
-                *a = _mm256_fmadd_ps(w, x, *a);
-            }
-        }
-        let mut lanes = [0f32; 8];
-        acc.iter().fold(0.0, |s, &a| {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), a);
-            s + lanes.iter().sum::<f32>()
-        })
-    }
 }
 
 criterion_group!(benches, gemms, decode_matmul, prefill_attention, decode_attention, gemm_bf16, decode_bf16, lora_products, machine);

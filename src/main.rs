@@ -28,6 +28,8 @@ enum Cmd {
     Score(cli::run::ScoreArgs),
     /// End-to-end throughput of a fixed workload (compare with tools/bench_torch.py).
     Bench(cli::bench::BenchArgs),
+    /// This host's bounds now: memory read bandwidth (one thread, all) and the vdpbf16ps / f32 FMA peaks.
+    Machine(cli::bench::MachineArgs),
     /// Memory-agent rollouts (n per query) over a dataset, with rewards, to a trajectories JSONL.
     Rollout(cli::agent::RolloutArgs),
     /// Evaluate the memory agent (greedy): accuracy per task and length, JSON + Markdown + PNG.
@@ -79,6 +81,7 @@ fn run(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Generate(a) => cli::run::generate(a),
         Cmd::Score(a) => cli::run::score(a),
         Cmd::Bench(a) => cli::bench::bench(a),
+        Cmd::Machine(a) => cli::bench::machine(a),
         Cmd::ImportGguf(a) => cli::run::import_gguf(a),
         Cmd::GrpoGrad(a) => cli::train::grpo_grad(a),
         Cmd::Data(a) => cli::data::data(a),

@@ -375,3 +375,34 @@ fn unwritable_out_fails_before_any_compute() {
     let left: Vec<_> = std::fs::read_dir(t.join("new/dir")).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left, vec![std::ffi::OsString::from("o.jsonl")]);
 }
+
+// ---- `machine`: the host's bounds, read by tools/bench-compare.sh and tools/rollout-compare.sh --
+
+/// Out-of-range sizes are refused with the flag named; a small probe prints the JSON keys the
+/// compare scripts read, with finite positive rates, one `threads` as asked.
+#[test]
+fn machine_probe_sizes_are_checked_and_its_json_has_what_the_scripts_read() {
+    fails_with(&["machine", "--read-mb", "0"], &["--read-mb", "between 1 and"]);
+    fails_with(&["machine", "--read-mb", "2000000"], &["--read-mb", "between 1 and"]);
+    // a buffer larger than the memory available is refused before it is allocated (an abort or
+    // the OOM killer otherwise), unless this host has over 1 TiB free
+    let avail_kb = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()));
+    if avail_kb.is_some_and(|kb| kb < 1 << 30) {
+        fails_with(&["machine", "--read-mb", "1048576"], &["--read-mb 1048576", "available", "lower --read-mb"]);
+    }
+    let mut c = bin();
+    c.args(["--threads", "1", "machine", "--read-mb", "8", "--json"]);
+    let out = run_for(c, 120);
+    assert_eq!(out.code, Some(0), "stderr: {}", out.stderr);
+    let v: serde_json::Value = serde_json::from_str(out.stdout.trim().lines().last().unwrap()).unwrap();
+    assert_eq!(v["threads"], 1);
+    assert_eq!(v["read_bytes"], 8 << 20);
+    for k in ["read_gib_s_1", "read_gib_s_all"] {
+        let r = v[k].as_f64().unwrap_or(f64::NAN);
+        assert!(r.is_finite() && r > 0.0, "{k}: {}", v[k]);
+    }
+    // a peak is a positive number where the CPU has the instruction, null where it does not
+    for k in ["bf16_gflop_s", "f32_gflop_s"] {
+        assert!(v[k].is_null() || v[k].as_f64().is_some_and(|r| r.is_finite() && r > 0.0), "{k}: {}", v[k]);
+    }
+}

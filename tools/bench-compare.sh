@@ -128,8 +128,24 @@ run_side() {
   fi
 }
 
+# host_state: this host's bounds now (`infomem-engine machine`), one line; empty off the CPU or
+# with a binary that lacks the subcommand. A shared VM's bandwidth moves within minutes, so the
+# report carries it from before and after the runs.
+host_state() {
+  [ "$DEVICE" = cpu ] && [ "$ENGINE_OK" = 1 ] || return 0
+  "$BIN" machine --json 2>/dev/null | tail -n 1 | "$PY" -c 'import json, sys
+try:
+    m = json.loads(sys.stdin.read())
+except Exception:
+    sys.exit(0)
+def f(k):
+    return "%.0f GFLOP/s" % m[k] if m.get(k) else "-"
+print("read %.1f GiB/s on 1 thread, %.1f on %d; vdpbf16ps %s, f32 FMA %s" % (m["read_gib_s_1"], m["read_gib_s_all"], m["threads"], f("bf16_gflop_s"), f("f32_gflop_s")))' 2>/dev/null || true
+}
+
 [ -n "$OUT" ] && : > "$OUT"
 STATUS=0
+HOST_BEFORE="$(host_state)"
 ROWS=()
 CMDS=()
 ENGINE_VER=""
@@ -201,6 +217,8 @@ EOF
 )")
 done
 
+HOST_AFTER="$(host_state)"
+
 # --- report -----------------------------------------------------------------------------------
 cpu="$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')"
 echo
@@ -212,6 +230,7 @@ if [ "$DEVICE" = cuda ]; then
   gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)"
   echo "- GPU: ${gpu:-unknown (nvidia-smi unavailable)}"
 fi
+[ -n "$HOST_BEFORE$HOST_AFTER" ] && echo "- host's bounds (\`infomem-engine machine\`), before: ${HOST_BEFORE:-n/a}; after: ${HOST_AFTER:-n/a}"
 echo "- model: $MODEL"
 echo "- engine: ${ENGINE_VER:-$([ "$ENGINE_OK" = 1 ] && echo "$BIN" || echo "not run ($BIN missing)")}"
 echo "- PyTorch side: ${TORCH_VER:-not run} (${DTYPE:-default dtype})"

@@ -238,6 +238,11 @@ pub fn check_lora_fits(cfg: &ModelConfig, r: usize, targets: &[Proj]) -> Result<
     )
 }
 
+/// `machine --read-mb`: the bandwidth test's buffer, held whole.
+pub fn check_probe_fits(read_mb: usize) -> Result<()> {
+    check_memory((read_mb as u128) << 20, &format!("--read-mb {read_mb}: the bandwidth test's {read_mb} MiB"), "lower --read-mb")
+}
+
 /// Sizes `data synth` will hold: every record, then the whole JSONL text (at least 2 bytes a
 /// token each: no tokenizer gives English text fewer than 2 characters a token).
 pub fn check_synth_fits(tokens: usize, count: usize) -> Result<()> {

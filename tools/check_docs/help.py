@@ -3,12 +3,26 @@
 each flag is a line of its own followed by its indented help, defaults and possible values)."""
 import re, subprocess, sys
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/infomem-engine"
-SUBS = [[], ["generate"], ["score"], ["bench"], ["rollout"], ["eval"], ["train"], ["merge"], ["reward"],
-        ["data"], ["data", "synth"], ["data", "inspect"], ["data", "convert"], ["grpo-grad"], ["device"],
-        ["import-gguf"]]
+CMD = re.compile(r"^ {2}([a-z][\w-]*)(\s|$)")  # a line of a "Commands:" block
+
+
+def subcommands(sub):
+    """`sub` and every subcommand under it, from the "Commands:" blocks of their --help (so a new
+    subcommand is checked without editing this list; clap's own `help` entry is skipped)."""
+    out = subprocess.run([BIN, *sub, "--help"], capture_output=True, text=True, check=True).stdout
+    found, block = [sub], False
+    for line in out.splitlines():
+        if HEADER.match(line):
+            block = line.startswith("Commands:")
+        elif block and (m := CMD.match(line)) and m.group(1) != "help":
+            found += subcommands([*sub, m.group(1)])
+    return found
+
+
 FLAG = re.compile(r"^ {2,6}(-\w, )?(--[\w-]+)")
 HEADER = re.compile(r"^\S")  # "Options:", "Commands:", "Usage:" ...
 META = re.compile(r"^(\[default: [^]]*\]\s*|\[possible values: [^]]*\]\s*)+$|^(Possible values:|- [\w-]+(: .*)?)$")
+SUBS = subcommands([])
 missing, total = [], 0
 for sub in SUBS:
     out = subprocess.run([BIN, *sub, "--help"], capture_output=True, text=True, check=True).stdout

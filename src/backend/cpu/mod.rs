@@ -12,6 +12,7 @@ pub mod gemm512;
 pub mod gemm_bf16;
 pub mod logprob;
 pub mod lora;
+pub mod machine;
 pub mod matmul;
 pub mod memory;
 pub mod norm;
