@@ -40,7 +40,7 @@ pub fn probe() -> Probe {
 }
 
 /// `probe` with `read_bytes` to read per pass and `iters` iterations of the peak loops (16
-/// instructions each) per pass.
+/// instructions each, 12 for AVX2) per pass.
 pub fn probe_with(read_bytes: usize, iters: usize) -> Probe {
     let iters = iters.max(1);
     let threads = rayon::current_num_threads();
