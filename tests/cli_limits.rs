@@ -376,12 +376,12 @@ fn unwritable_out_fails_before_any_compute() {
     assert_eq!(left, vec![std::ffi::OsString::from("o.jsonl")]);
 }
 
-// ---- `machine`: the host's bounds, read by tools/bench-compare.sh and tools/rollout-compare.sh --
+// ---- `machine`: the host's bounds, printed by tools/bench-compare.sh and tools/rollout-compare.sh
 
-/// Out-of-range sizes are refused with the flag named; a small probe prints the JSON keys the
-/// compare scripts read, with finite positive rates, one `threads` as asked.
+/// Out-of-range sizes are refused with the flag named; a small probe's JSON has finite positive
+/// rates and one `threads` as asked, and its text is the one line the compare scripts print.
 #[test]
-fn machine_probe_sizes_are_checked_and_its_json_has_what_the_scripts_read() {
+fn machine_probe_sizes_are_checked_and_its_output_is_what_the_scripts_print() {
     fails_with(&["machine", "--read-mb", "0"], &["--read-mb", "between 1 and"]);
     fails_with(&["machine", "--read-mb", "2000000"], &["--read-mb", "between 1 and"]);
     // a buffer larger than the memory available is refused before it is allocated (an abort or
@@ -404,5 +404,14 @@ fn machine_probe_sizes_are_checked_and_its_json_has_what_the_scripts_read() {
     // a peak is a positive number where the CPU has the instruction, null where it does not
     for k in ["bf16_gflop_s", "f32_gflop_s"] {
         assert!(v[k].is_null() || v[k].as_f64().is_some_and(|r| r.is_finite() && r > 0.0), "{k}: {}", v[k]);
+    }
+    // the text the scripts print as it is: one line naming the read rates and both peaks
+    let mut c = bin();
+    c.args(["--threads", "1", "machine", "--read-mb", "8"]);
+    let out = run_for(c, 120);
+    assert_eq!(out.code, Some(0), "stderr: {}", out.stderr);
+    assert_eq!(out.stdout.lines().count(), 1, "{}", out.stdout);
+    for n in ["GiB/s on 1 thread", " on 1 (8 MiB, median of 5)", "vdpbf16ps peak", "f32 FMA peak"] {
+        assert!(out.stdout.contains(n), "{n:?} not in {}", out.stdout);
     }
 }

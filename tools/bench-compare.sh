@@ -128,19 +128,12 @@ run_side() {
   fi
 }
 
-# host_state: this host's bounds now (`infomem-engine machine`), one line; empty off the CPU or
-# with a binary that lacks the subcommand. A shared VM's bandwidth moves within minutes, so the
+# host_state: this host's bounds now, the one line of `infomem-engine machine`; empty off the CPU
+# or with a binary that lacks the subcommand. A shared VM's bandwidth moves within minutes, so the
 # report carries it from before and after the runs.
 host_state() {
   [ "$DEVICE" = cpu ] && [ "$ENGINE_OK" = 1 ] || return 0
-  "$BIN" machine --json 2>/dev/null | tail -n 1 | "$PY" -c 'import json, sys
-try:
-    m = json.loads(sys.stdin.read())
-except Exception:
-    sys.exit(0)
-def f(k):
-    return "%.0f GFLOP/s" % m[k] if m.get(k) else "-"
-print("read %.1f GiB/s on 1 thread, %.1f on %d; vdpbf16ps %s, f32 FMA %s" % (m["read_gib_s_1"], m["read_gib_s_all"], m["threads"], f("bf16_gflop_s"), f("f32_gflop_s")))' 2>/dev/null || true
+  "$BIN" machine 2>/dev/null | tail -n 1 || true
 }
 
 [ -n "$OUT" ] && : > "$OUT"

@@ -51,7 +51,7 @@ AG=(--chunk-tokens 256 --memory-tokens 64 --answer-tokens 16 --temperature 1.0
 "$B" data synth --task needle --tokens "$DOC" --count "$Q" --seed 300 --model "$MODEL" --out "$TMP/docs.jsonl" >/dev/null 2>&1
 # the host's bounds before and after (a shared VM's bandwidth moves within minutes); a binary
 # without the `machine` subcommand leaves the files empty
-"$B" machine --json 2>/dev/null | tail -n 1 > "$TMP/machine-before.json" || true
+"$B" machine 2>/dev/null | tail -n 1 > "$TMP/machine-before.txt" || true
 for s in $(seq 1 "$REPEAT"); do
   "$B" rollout --model "$MODEL" --dtype "$EDT" --data "$TMP/docs.jsonl" --limit "$Q" --group-size "$G" "${AG[@]}" \
     --seed "$s" --out "$TMP/traj-$s.jsonl" --json 2>/dev/null | tail -n 1 >> "$TMP/engine.jsonl"
@@ -59,7 +59,7 @@ for s in $(seq 1 "$REPEAT"); do
     --chunk-tokens 256 --memory-tokens 64 --answer-tokens 16 --temperature 1.0 \
     --templates examples/demo-templates.toml --threads "$THREADS" --seed "$s" --json 2>/dev/null | tail -n 1 >> "$TMP/torch.jsonl"
 done
-"$B" machine --json 2>/dev/null | tail -n 1 > "$TMP/machine-after.json" || true
+"$B" machine 2>/dev/null | tail -n 1 > "$TMP/machine-after.txt" || true
 python3 - "$TMP" "$EDT" "$TDT" "$THREADS" "$Q" "$G" "$DOC" <<'PY'
 import json, statistics, sys, platform
 tmp, edt, tdt, threads, q, g, doc = sys.argv[1:]
@@ -84,12 +84,6 @@ print(f"| PyTorch {t[0]['torch']} + transformers {t[0]['transformers']} ({tdt}, 
 # each seed runs the engine then PyTorch back to back: their ratio pairs the same minute
 per = [a / b for a, b in zip(er, tr)]
 print(f"\nengine / PyTorch: {em / tm:.2f}x (ratio of the medians; per seed, each pair back to back: {', '.join(f'{x:.2f}' for x in per)}; their median {statistics.median(per):.2f}x)")
-def host(f):
-    try:
-        m = json.loads(open(f"{tmp}/{f}").read())
-        peak = lambda k: "%.0f GFLOP/s" % m[k] if m.get(k) else "-"
-        return "read %.1f GiB/s on 1 thread, %.1f on %d; vdpbf16ps %s" % (m["read_gib_s_1"], m["read_gib_s_all"], m["threads"], peak("bf16_gflop_s"))
-    except Exception:
-        return "n/a"
-print(f"host's bounds (infomem-engine machine), before: {host('machine-before.json')}; after: {host('machine-after.json')}")
+host = lambda f: open(f"{tmp}/{f}").read().strip() or "n/a"
+print(f"host's bounds (infomem-engine machine), before: {host('machine-before.txt')}; after: {host('machine-after.txt')}")
 PY

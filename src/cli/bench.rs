@@ -187,34 +187,36 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
 pub struct MachineArgs {
     /// Megabytes read per pass of the bandwidth test (much larger than the last-level cache, so
     /// the rate is the memory's).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = infomem_engine::backend::cpu::machine::READ_MB)]
     pub read_mb: usize,
-    /// Print one JSON line instead of text.
+    /// Print one JSON line instead of the one text line.
     #[arg(long)]
     pub json: bool,
 }
 
 /// `machine`: this host's bounds now (`backend::cpu::machine`), what `bench`'s rates are
-/// compared against.
+/// compared against. The text is one line, which the compare scripts print as it is.
 pub fn machine(a: MachineArgs) -> Result<()> {
     if !(1..=1 << 20).contains(&a.read_mb) {
         bail!("--read-mb must be between 1 and 1048576 (got {})", a.read_mb);
     }
     super::limits::check_probe_fits(a.read_mb)?;
-    let p = infomem_engine::backend::cpu::machine::probe_with(a.read_mb << 20, 1 << 21);
+    let m = infomem_engine::backend::cpu::machine::probe_with(a.read_mb << 20, infomem_engine::backend::cpu::machine::PEAK_ITERS);
     if a.json {
-        print_json(&serde_json::to_value(&p)?);
+        print_json(&serde_json::to_value(&m)?);
         return Ok(());
     }
-    let t = p.threads;
-    println!("memory read: {:.1} GiB/s on 1 thread, {:.1} GiB/s on {t} threads ({} MiB a pass, median of 5)", p.read_gib_s_1, p.read_gib_s_all, p.read_bytes >> 20);
-    match p.bf16_gflop_s {
-        Some(r) => println!("vdpbf16ps peak: {r:.0} GFLOP/s on {t} threads"),
-        None => println!("vdpbf16ps peak: - (no AVX512_BF16 on this CPU)"),
-    }
-    match (p.f32_gflop_s, p.f32_isa) {
-        (Some(r), Some(isa)) => println!("f32 FMA peak ({isa}): {r:.0} GFLOP/s on {t} threads"),
-        _ => println!("f32 FMA peak: - (neither AVX-512 nor AVX2+FMA)"),
-    }
+    let bf16 = m.bf16_gflop_s.map_or("- (no AVX512_BF16)".into(), |r| format!("{r:.0} GFLOP/s"));
+    let f32 = match (m.f32_gflop_s, m.f32_isa) {
+        (Some(r), Some(isa)) => format!("{r:.0} GFLOP/s ({isa})"),
+        _ => "- (neither AVX-512 nor AVX2+FMA)".into(),
+    };
+    println!(
+        "read {:.1} GiB/s on 1 thread, {:.1} on {} ({} MiB, median of 5); vdpbf16ps peak {bf16}; f32 FMA peak {f32}",
+        m.read_gib_s_1,
+        m.read_gib_s_all,
+        m.threads,
+        m.read_bytes >> 20
+    );
     Ok(())
 }

@@ -33,14 +33,13 @@ pub struct Probe {
 /// Passes per rate (the median is reported).
 const PASSES: usize = 5;
 
-/// The full probe: a 512 MiB buffer (the read bound of DRAM, not of a cache) and peak loops of
-/// ~10 ms a pass.
-pub fn probe() -> Probe {
-    probe_with(512 << 20, 1 << 21)
-}
+/// The full probe's buffer: 512 MiB, far past any last-level cache, so the rate is DRAM's.
+pub const READ_MB: usize = 512;
+/// The full probe's peak loops: iterations a pass, ~10 ms at one instruction a cycle.
+pub const PEAK_ITERS: usize = 1 << 21;
 
-/// `probe` with `read_bytes` to read per pass and `iters` iterations of the peak loops (16
-/// instructions each, 12 for AVX2) per pass.
+/// `read_bytes` read per pass and `iters` iterations of the peak loops (16 instructions each, 12
+/// for AVX2) per pass; the full probe is `probe_with(READ_MB << 20, PEAK_ITERS)`.
 pub fn probe_with(read_bytes: usize, iters: usize) -> Probe {
     let iters = iters.max(1);
     let threads = rayon::current_num_threads();
