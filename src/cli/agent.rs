@@ -94,9 +94,12 @@ pub struct RolloutArgs {
     /// Score L(M_t) − L(∅) after every chunk.
     #[arg(long)]
     pub memory_curve: bool,
-    /// Output: one trajectory per line.
+    /// Output: one trajectory per line (new unless --overwrite).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out if it exists (it may never be one of the inputs).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print the run statistics as one JSON line.
     #[arg(long)]
     pub json: bool,
@@ -125,10 +128,13 @@ pub struct EvalArgs {
     /// Seed of the --lengths padding (decoding is greedy).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Output directory (results.json, results.md, accuracy.png, memory_curve.png, predictions.jsonl);
-    /// one that already holds a finished evaluation (results.json) is refused.
+    /// Output directory (results.json, results.md, accuracy.png, memory_curve.png, predictions.jsonl),
+    /// new or empty unless --overwrite; locked for the whole evaluation.
     #[arg(long)]
     pub out: PathBuf,
+    /// Evaluate into a non-empty --out: replace the files an evaluation writes there (other files stay).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Also print the result rows and the run's settings as one JSON line.
     #[arg(long)]
     pub json: bool,
@@ -291,8 +297,7 @@ fn check_rollout_args(a: &RolloutArgs) -> Result<()> {
     if a.pad_to_tokens == Some(0) {
         bail!("--pad-to-tokens must be at least 1 (got 0)");
     }
-    limits::check_writable_file("--out", &a.out)?;
-    limits::check_not_input("--out", &a.out, &inputs(&a.model, &a.agent, std::slice::from_ref(&a.data)))
+    super::output::check_out_file("--out", &a.out, &inputs(&a.model, &a.agent, std::slice::from_ref(&a.data)), a.overwrite)
 }
 
 fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
@@ -376,26 +381,88 @@ fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
 /// What `eval` writes into --out (eval::write_report and `predictions.jsonl`).
 const EVAL_OUTPUTS: [&str; 5] = ["predictions.jsonl", "results.json", "results.md", "accuracy.png", "memory_curve.png"];
 
+fn eval_output(name: &str) -> bool {
+    EVAL_OUTPUTS.contains(&name)
+}
+
+/// A padded record's length may miss its `--lengths` target by this much before the row's
+/// label would misstate it: at most a quarter over (a gold document longer than the target, or
+/// one padding document overshooting), at most a tenth under (the file ran out of documents).
+const LENGTH_OVER: (usize, usize) = (5, 4);
+const LENGTH_UNDER: (usize, usize) = (9, 10);
+
 pub fn eval(a: EvalArgs) -> Result<()> {
     a.agent.budgets().check()?;
     if a.lengths.contains(&0) {
         bail!("--lengths: 0 is not a length to pad to (each must be at least 1 token)");
     }
-    limits::check_writable_dir("--out", &a.out)?;
-    let ins = inputs(&a.model, &a.agent, &a.data);
-    for name in EVAL_OUTPUTS {
-        limits::check_not_input("--out", &a.out.join(name), &ins)?;
+    if let Some(l) = a.lengths.iter().enumerate().find_map(|(i, l)| a.lengths[..i].contains(l).then_some(l)) {
+        bail!("--lengths lists {l} more than once: each length is one row, evaluated once");
     }
-    // an evaluation is never written over another (results.json marks a finished one, as for
-    // `study`; what an interrupted one left is replaced): refused now, and checked again under
-    // the directory's lock when the results are written
-    check_no_evaluation(&a.out)?;
-    crate::with_model!(a.model, |model| eval_on(&model, &a))
+    if let Some(d) = a.data.iter().enumerate().find_map(|(i, d)| a.data[..i].iter().any(|e| same_file(d, e)).then_some(d)) {
+        bail!("--data lists {} more than once: its questions would be counted twice", d.display());
+    }
+    let ins = inputs(&a.model, &a.agent, &a.data);
+    // the directory is locked for the whole evaluation (a second eval, or a live train, into
+    // the same --out is refused before any work, not after it), then checked under the lock
+    let created = !a.out.exists();
+    limits::check_writable_dir("--out", &a.out)?;
+    let lock = infomem_engine::util::lock::lock_dir(&a.out, "--out")?;
+    let finished = || -> Result<()> {
+        if !a.overwrite && a.out.join("results.json").exists() {
+            bail!("--out {}: already holds an evaluation (results.json); pass --overwrite to replace it, or choose another --out", a.out.display());
+        }
+        Ok(())
+    };
+    let res = finished()
+        .and_then(|()| super::output::check_out_dir("--out", &a.out, &ins, a.overwrite, eval_output))
+        .and_then(|()| crate::with_model!(a.model, |model| eval_on(&model, &a)));
+    if res.is_err() && created {
+        // nothing of this run is left behind: its lock, and the directory it made
+        let path = lock.path.clone();
+        drop(lock);
+        let _ = std::fs::remove_file(path);
+        let _ = std::fs::remove_dir(&a.out);
+    }
+    res
 }
 
-fn check_no_evaluation(out: &Path) -> Result<()> {
-    if out.join("results.json").exists() {
-        bail!("--out {}: already holds an evaluation (results.json); choose another --out or remove that one", out.display());
+/// Two paths naming one file (after symlinks and hard links).
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => a == b,
+    }
+}
+
+/// Refuse a `--lengths` row whose records are not about that long: records longer than the
+/// target on their own, or a file whose documents cannot pad them that far.
+fn check_padded(path: &Path, target: usize, recs: &[QaRecord]) -> Result<()> {
+    let tokens = |r: &QaRecord| r.meta.get("padding").and_then(|p| p.get("tokens")).and_then(|t| t.as_u64()).map(|t| t as usize);
+    let lens: Vec<usize> = recs.iter().filter_map(tokens).collect();
+    let (Some(&lo), Some(&hi)) = (lens.iter().min(), lens.iter().max()) else { return Ok(()) };
+    if lo * LENGTH_OVER.1 > target * LENGTH_OVER.0 {
+        bail!(
+            "--lengths {target}: the records of {} are {lo} tokens or more on their own (their gold documents), \
+             so a row labelled {target} would hold longer documents; ask for lengths of at least {lo}",
+            path.display()
+        );
+    }
+    if hi * LENGTH_UNDER.1 < target * LENGTH_UNDER.0 {
+        bail!(
+            "--lengths {target}: the documents of {} pad its records to at most {hi} tokens, \
+             so a row labelled {target} would hold shorter documents; ask for lengths of at most {hi}, or pad from a larger file",
+            path.display()
+        );
+    }
+    if let Some(r) = recs.iter().find(|r| tokens(r).is_some_and(|t| t * LENGTH_OVER.1 > target * LENGTH_OVER.0 || t * LENGTH_UNDER.1 < target * LENGTH_UNDER.0)) {
+        bail!(
+            "--lengths {target}: record {} of {} is {} tokens after padding, too far from {target} for a row with that label",
+            r.id,
+            path.display(),
+            tokens(r).unwrap_or(0)
+        );
     }
     Ok(())
 }
@@ -424,7 +491,9 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
             }
         } else {
             for &l in &a.lengths {
-                for r in read_data(model, path, &a.dargs, Some(l), a.seed)? {
+                let file_recs = read_data(model, path, &a.dargs, Some(l), a.seed)?;
+                check_padded(path, l, &file_recs)?;
+                for r in file_recs {
                     items.push((r.task.clone(), l));
                     recs.push(r);
                 }
@@ -437,9 +506,8 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let evaluated: Vec<eval::Evaluated> =
         items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
     let rows = eval::summarize(&evaluated);
-    // two evaluations into one --out: the one that finishes second is refused, not mixed in
-    let _lock = infomem_engine::util::lock::lock_dir(&a.out, "--out")?;
-    check_no_evaluation(&a.out)?;
+    // --overwrite: the earlier evaluation's files go just before the new ones are written
+    super::output::clear_owned("--out", &a.out, eval_output)?;
     let mut preds = Vec::new();
     for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
         let t = &g[0];

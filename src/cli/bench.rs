@@ -65,6 +65,10 @@ pub struct BenchArgs {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    // every shape against the model's positions and the memory, before the model is loaded
+    let cfg = infomem_engine::model::config::ModelConfig::load(&a.model.model)?;
+    let shape = shape_of(&a)?;
+    super::limits::check_bench_fits(&cfg, &bench_plan(&a, shape))?;
     if a.work == Work::Train {
         // the LoRA forward + backward (TrainBackend), on either backend
         return crate::with_model!(a.model, |model| {
@@ -73,8 +77,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 model.set_adapter(infomem_engine::rl::grpo::bench_adapter(&model.cfg))?;
             }
             train_fit(&model, &a)?;
-            let base = BenchShape { batch: 8, seq_len: 512, score_last: 128, new_tokens: 0 };
-            measure(&model, &a, base, |s, seed| {
+            measure(&model, &a, |s, seed| {
                 let shape = infomem_engine::rl::grpo::TrainShape { batch: s.batch, seq_len: s.seq_len, train_last: s.score_last };
                 infomem_engine::rl::grpo::run_train_bench(&model, shape, seed)
             })
@@ -82,14 +85,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     crate::with_model!(a.model, |model| {
         match a.work {
-            Work::Score => measure(&model, &a, BenchShape::SCORE, |s, seed| bench::run_score(&model, s, seed)),
+            Work::Score => measure(&model, &a, |s, seed| bench::run_score(&model, s, seed)),
             Work::Rollout => {
                 let chunks = a.chunks.unwrap_or(8);
-                let base = BenchShape { batch: 16, seq_len: 2048, score_last: 0, new_tokens: 512 };
                 // the untimed warm-up (seed 1) reads one section only
-                measure(&model, &a, base, |s, seed| bench::run_rollout(&model, s, if seed == 1 { 1 } else { chunks }, seed))
+                measure(&model, &a, |s, seed| bench::run_rollout(&model, s, if seed == 1 { 1 } else { chunks }, seed))
             }
-            _ => measure(&model, &a, BenchShape::DECODE, |s, seed| bench::run_decode(&model, s, seed)),
+            _ => measure(&model, &a, |s, seed| bench::run_decode(&model, s, seed)),
         }
     })
 }
@@ -110,8 +112,14 @@ fn train_fit<B: Backend + 'static>(model: &Model<B>, a: &BenchArgs) -> Result<()
     Ok(())
 }
 
-/// Warm up, time `--repeat` runs of `run` (the best counts), report.
-fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: impl Fn(BenchShape, u64) -> Result<(usize, f64)>) -> Result<()> {
+/// The defaults of each work (as `tools/bench_torch.py`), overridden by the flags, checked.
+fn shape_of(a: &BenchArgs) -> Result<BenchShape> {
+    let base = match a.work {
+        Work::Score => BenchShape::SCORE,
+        Work::Decode => BenchShape::DECODE,
+        Work::Train => BenchShape { batch: 8, seq_len: 512, score_last: 128, new_tokens: 0 },
+        Work::Rollout => BenchShape { batch: 16, seq_len: 2048, score_last: 0, new_tokens: 512 },
+    };
     if a.repeat == 0 {
         bail!("--repeat must be at least 1");
     }
@@ -129,8 +137,34 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
             bail!("--score-last must be in 1..{} (below --seq-len)", shape.seq_len)
         }
         Work::Decode | Work::Rollout if shape.new_tokens == 0 => bail!("--new-tokens must be at least 1"),
+        Work::Rollout if shape.seq_len < 2 => bail!("--seq-len must be at least 2 for rollout (a section's last token is fed with the memory)"),
+        Work::Rollout if a.chunks == Some(0) => bail!("--chunks must be at least 1"),
         _ => {}
     }
+    if a.work != Work::Rollout && a.chunks.is_some() {
+        bail!("--chunks applies to --work rollout only");
+    }
+    Ok(shape)
+}
+
+/// What a work's shape needs: the longest sequence (positions), the KV cache's tokens, the rows
+/// of activations held at once (times the layers for train, whose backward keeps them), and the
+/// rows of logits.
+fn bench_plan(a: &BenchArgs, s: BenchShape) -> super::limits::BenchPlan {
+    let (b, l, n) = (s.batch as u128, s.seq_len as u128, s.new_tokens as u128);
+    let what = format!("--work {} with --batch {} --seq-len {}", format!("{:?}", a.work).to_lowercase(), s.batch, s.seq_len);
+    match a.work {
+        Work::Score => super::limits::BenchPlan { what, positions: l, kv_tokens: b * l, rows: b * l, kept_layers: false, logit_rows: b * s.score_last as u128 },
+        Work::Decode => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + n, kv_tokens: b * (l + n), rows: b * l, kept_layers: false, logit_rows: b },
+        Work::Train => super::limits::BenchPlan { what, positions: l, kv_tokens: 0, rows: b * l, kept_layers: true, logit_rows: b * s.score_last as u128 },
+        // per section: the section, the memory fed after it, the new memory
+        Work::Rollout => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + 2 * n, kv_tokens: (b + 1) * (l + 2 * n), rows: l.max(2048), kept_layers: false, logit_rows: b },
+    }
+}
+
+/// Warm up, time `--repeat` runs of `run` (the best counts), report.
+fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, run: impl Fn(BenchShape, u64) -> Result<(usize, f64)>) -> Result<()> {
+    let shape = shape_of(a)?;
     // Warm-up with the timed shapes (thread pool, caches and the allocator reach steady state),
     // except the long generations: decode/rollout produce only a few tokens, rollout with 2 rows.
     let warm = match a.work {
@@ -167,8 +201,9 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, base: BenchShape, run: i
             "threads": rayon::current_num_threads(),
             "batch": shape.batch,
             "seq_len": shape.seq_len,
-            "score_last": shape.score_last,
-            "new_tokens": shape.new_tokens,
+            // each size only where the work uses it (null otherwise)
+            "score_last": matches!(a.work, Work::Score | Work::Train).then_some(shape.score_last),
+            "new_tokens": matches!(a.work, Work::Decode | Work::Rollout).then_some(shape.new_tokens),
             "chunks": if a.work == Work::Rollout { Some(a.chunks.unwrap_or(8)) } else { None },
             "tokens": tokens,
             "seconds": secs,

@@ -41,9 +41,12 @@ pub struct SynthArgs {
     /// Seed: the same seed and arguments give a byte-identical file.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Output JSONL file.
+    /// Output JSONL file (new unless --overwrite).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out if it exists (it may never be one of the inputs).
+    #[arg(long)]
+    pub overwrite: bool,
     /// HF model directory whose tokenizer.json measures the documents.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -122,9 +125,12 @@ pub struct InspectArgs {
 pub struct ConvertArgs {
     #[command(flatten)]
     pub read: ReadArgs,
-    /// Output JSONL file.
+    /// Output JSONL file (new unless --overwrite).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out if it exists (it may never be one of the inputs).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print one JSON line (input, output, records written, records skipped, input format) instead of text.
     #[arg(long)]
     pub json: bool,
@@ -193,12 +199,11 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
     // sizes, then the output, before any work
     cfg.validate()?;
     limits::check_synth_fits(a.tokens, a.count)?;
-    limits::check_writable_file("--out", &a.out)?;
     let mut inputs: Vec<PathBuf> = a.model.iter().flat_map(|d| limits::model_files(d)).collect();
     if a.filler == FillerKind::Essays {
         inputs.push(a.essays_dir.clone().unwrap_or_else(synth::default_essays_dir));
     }
-    limits::check_not_input("--out", &a.out, &inputs)?;
+    super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let tok = tokenizer(&a.model)?;
     let records = synth::synthesize(&cfg, tok.as_ref())?;
     data::write_jsonl(&a.out, &records)?;
@@ -328,9 +333,8 @@ fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 fn convert(a: ConvertArgs) -> Result<()> {
-    limits::check_writable_file("--out", &a.out)?;
     let inputs: Vec<PathBuf> = std::iter::once(a.read.data.clone()).chain(a.read.model.iter().flat_map(|d| limits::model_files(d))).collect();
-    limits::check_not_input("--out", &a.out, &inputs)?;
+    super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let tok = tokenizer(&a.read.model)?;
     let (records, report) = read_with(&a.read, tok.as_ref())?;
     data::write_jsonl(&a.out, &records)?;

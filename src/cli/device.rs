@@ -14,22 +14,35 @@ pub struct DeviceArgs {
 }
 
 pub fn device(a: DeviceArgs) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    {
-        let be = infomem_engine::backend::cuda::CudaBackend::new(a.ordinal)?;
-        let r = be.report()?;
-        if a.json {
-            print_json(&r);
-        } else if let Some(o) = r.as_object() {
-            for (k, v) in o {
-                println!("{k}: {}", v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()));
+    let res = report(a.ordinal);
+    match (res, a.json) {
+        (Ok(r), true) => print_json(&r),
+        (Ok(r), false) => {
+            if let Some(o) = r.as_object() {
+                for (k, v) in o {
+                    println!("{k}: {}", v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()));
+                }
             }
         }
-        Ok(())
+        // a script reading the JSON line gets one on failure too (and the exit status 1)
+        (Err(e), true) => {
+            print_json(&serde_json::json!({"ok": false, "error": format!("{e:#}")}));
+            return Err(e);
+        }
+        (Err(e), false) => return Err(e),
+    }
+    Ok(())
+}
+
+/// The CUDA backend's description of device `ordinal`.
+fn report(ordinal: usize) -> Result<serde_json::Value> {
+    #[cfg(feature = "cuda")]
+    {
+        infomem_engine::backend::cuda::CudaBackend::new(ordinal)?.report()
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (a.ordinal, print_json as fn(&serde_json::Value));
+        let _ = ordinal;
         anyhow::bail!("this binary was built without CUDA support (rebuild with `cargo build --release --features cuda`); the CPU backend needs no device")
     }
 }

@@ -34,6 +34,14 @@ pub fn init_threads(n: usize) -> Result<()> {
     if asked > MAX_THREADS {
         bail!("{source}: at most {MAX_THREADS} CPU threads can be used (this machine has {cores} cores; 0 = one per core)");
     }
+    if asked > cores {
+        // allowed (a machine may hide cores from available_parallelism), but never silently:
+        // on 2 cores, 1024 threads made a training step 100x slower
+        eprintln!(
+            "warning: {source} asks for more threads than this machine's {cores} cores; every CPU kernel splits its work per thread, \
+             so the extra threads only contend (expect each step to be several times slower). 0 = one per core"
+        );
+    }
     // the pool rayon will start: `asked`, or one per core
     check_thread_address_space(&source, if asked > 0 { asked } else { cores })?;
     let mut b = rayon::ThreadPoolBuilder::new().stack_size(pool_stack_bytes() as usize);
@@ -251,6 +259,35 @@ pub fn check_synth_fits(tokens: usize, count: usize) -> Result<()> {
         &format!("--count {count} records of --tokens {tokens}"),
         "lower --count or --tokens (or write several files with different --seed)",
     )
+}
+
+/// What one `bench` run holds at once (see `cli::bench::bench_plan`).
+pub struct BenchPlan {
+    /// The flags, for messages.
+    pub what: String,
+    /// The longest sequence, in positions.
+    pub positions: u128,
+    /// Tokens of the KV cache.
+    pub kv_tokens: u128,
+    /// Rows of activations computed at once.
+    pub rows: u128,
+    /// Whether every layer's activations are kept (train's backward needs them).
+    pub kept_layers: bool,
+    /// Rows of logits (vocabulary-wide) computed at once.
+    pub logit_rows: u128,
+}
+
+/// A `bench` shape against the model's positions and the memory available, before the model
+/// loads. The memory is a lower bound (K/V in bf16, each activation row's hidden and MLP
+/// vectors in f32 once): a shape refused here cannot run, one let through may still need more.
+pub fn check_bench_fits(cfg: &ModelConfig, p: &BenchPlan) -> Result<()> {
+    if p.positions > cfg.max_position as u128 {
+        bail!("{}: sequences of {} positions, but the model has {}", p.what, p.positions, cfg.position_limit());
+    }
+    let kv = p.kv_tokens * (cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2) as u128;
+    let row = ((cfg.hidden + 2 * cfg.intermediate) * 4) as u128 * if p.kept_layers { cfg.n_layers as u128 } else { 1 };
+    let need = kv + p.rows * row + p.logit_rows * cfg.vocab as u128 * 4;
+    check_memory(need, &format!("{}: its KV cache and activations", p.what), "lower --batch or --seq-len")
 }
 
 // ---- the memory agent's budgets ---------------------------------------------------------------

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod data;
 pub mod device;
 pub mod limits;
+pub mod output;
 pub mod reward;
 pub mod run;
 pub mod study;

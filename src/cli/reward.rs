@@ -21,9 +21,18 @@ pub fn reward(a: RewardArgs) -> Result<()> {
     anyhow::ensure!(a.beta.is_finite(), "--beta must be a finite number, got {}", a.beta);
     let text = std::fs::read_to_string(&a.groups).with_context(|| format!("cannot read {}", a.groups.display()))?;
     let groups = reward::parse_groups(&text, &a.groups.display().to_string())?;
-    for g in groups {
-        let r = reward::combine(a.mode, &g.outcomes, &g.gains, a.beta);
-        println!("{}", serde_json::json!({ "final_rewards": r }));
+    if groups.is_empty() {
+        anyhow::bail!("{}: no groups (expected one JSON line per group: {{\"outcomes\": [...], \"gains\": [...]}})", a.groups.display());
     }
+    // every group is combined before the first is printed: an error leaves no partial output
+    let mut lines = Vec::with_capacity(groups.len());
+    for (i, g) in groups.iter().enumerate() {
+        let r = reward::combine(a.mode, &g.outcomes, &g.gains, a.beta);
+        if let Some(x) = r.iter().find(|x| !x.is_finite()) {
+            anyhow::bail!("{}: group {} (line {}): a final reward is {x}: --beta {} times its gains overflows", a.groups.display(), i + 1, g.line, a.beta);
+        }
+        lines.push(serde_json::json!({ "final_rewards": r }).to_string());
+    }
+    println!("{}", lines.join("\n"));
     Ok(())
 }

@@ -81,9 +81,12 @@ pub struct ImportArgs {
     /// The .gguf file.
     #[arg(long)]
     pub gguf: PathBuf,
-    /// Output HF model directory.
+    /// Output HF model directory, new or empty.
     #[arg(long)]
     pub out: PathBuf,
+    /// Write into a non-empty --out: delete the model files there first (*.safetensors, the shard index, configs, tokenizer, chat template; other files stay), once the GGUF file has been checked.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// `ids` must be non-empty, in the vocabulary, and fit the model's positions together with
@@ -228,7 +231,9 @@ fn score_on<B: Backend>(model: &Model<B>, a: &ScoreArgs) -> Result<()> {
 }
 
 pub fn import_gguf(a: ImportArgs) -> Result<()> {
-    let s = infomem_engine::model::gguf::import_gguf(&a.gguf, &a.out)
+    use super::output::{check_out_dir, clear_owned, model_dir_file};
+    check_out_dir("--out", &a.out, std::slice::from_ref(&a.gguf), a.overwrite, model_dir_file)?;
+    let s = infomem_engine::model::gguf::import_gguf_with(&a.gguf, &a.out, &mut || clear_owned("--out", &a.out, model_dir_file))
         .with_context(|| format!("importing {}", a.gguf.display()))?;
     eprintln!("imported {} ({} tensors, {:.1}M parameters) into {}", s.arch, s.tensors, s.params as f64 / 1e6, a.out.display());
     println!("{}", a.out.display());

@@ -13,7 +13,7 @@ use infomem_engine::runtime::Model;
 use infomem_engine::util::progress;
 use serde_json::json;
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct GrpoGradArgs {
@@ -29,15 +29,22 @@ pub struct GrpoGradArgs {
     /// base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), written atomically.
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out if it exists (it may never be one of the inputs).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print the loss statistics as one JSON line instead of text.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn grpo_grad(a: GrpoGradArgs) -> Result<()> {
-    if a.model.adapter.is_none() {
+    let Some(adapter) = &a.model.adapter else {
         anyhow::bail!("grpo-grad needs --adapter DIR: the gradients are taken w.r.t. a LoRA adapter's A and B");
-    }
+    };
+    // the output is checked before any work: never one of the inputs, new unless --overwrite
+    let inputs: Vec<PathBuf> =
+        [super::limits::model_files(&a.model.model), super::limits::model_files(adapter), vec![a.batch.clone()]].concat();
+    super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let model = a.model.load_cpu()?;
     let text = std::fs::read_to_string(&a.batch).with_context(|| format!("cannot read batch file {}", a.batch.display()))?;
     let batch = grpo::parse_batch(&text, model.cfg.vocab).with_context(|| format!("batch file {}", a.batch.display()))?;
@@ -248,10 +255,30 @@ pub fn train(a: TrainArgs) -> Result<()> {
         cfg.validate()?;
     }
     // one run per directory for the whole run (released when the process ends, however it ends)
-    let _lock = infomem_engine::util::lock::lock_dir(&cfg.out, "--out")?;
+    let created = !cfg.out.exists();
+    let lock = infomem_engine::util::lock::lock_dir(&cfg.out, "--out")?;
+    let res = train_locked(&a, cfg, &explicit);
+    if res.is_err() && created {
+        // a run that failed before writing anything leaves no directory (nor lock) behind
+        let only_lock = std::fs::read_dir(&lock.path.parent().unwrap_or(Path::new("."))).map(|rd| rd.count() == 1).unwrap_or(false);
+        if only_lock {
+            let dir = lock.path.parent().map(Path::to_path_buf);
+            let path = lock.path.clone();
+            drop(lock);
+            let _ = std::fs::remove_file(path);
+            if let Some(d) = dir {
+                let _ = std::fs::remove_dir(d);
+            }
+        }
+    }
+    res
+}
+
+/// `train` once its --out is locked.
+fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>) -> Result<()> {
     trainer::check_fresh_out(&cfg.out, a.resume, a.overwrite)?;
     // the run's model and data: from the checkpoint when resuming (changed settings refused)
-    let run_cfg = if a.resume { trainer::resume_config(&cfg, &explicit)? } else { cfg.clone() };
+    let run_cfg = if a.resume { trainer::resume_config(&cfg, explicit)? } else { cfg.clone() };
     run_cfg.validate()?;
     let model_dir = run_cfg.model.clone().unwrap();
     match a.backend {
@@ -260,7 +287,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
                 "bf16" => CpuBackend::with_weights(infomem_engine::backend::cpu::WeightDtype::Bf16),
                 _ => CpuBackend::new(),
             };
-            train_on(Model::load(&model_dir, be)?, &a, cfg, &run_cfg)
+            train_on(Model::load(&model_dir, be)?, a, cfg, &run_cfg)
         }
         super::BackendKind::Cuda => {
             if run_cfg.dtype == "f32" && explicit.contains("dtype") {
@@ -270,7 +297,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
             {
                 let model = Model::load(&model_dir, infomem_engine::backend::cuda::CudaBackend::new(0)?)?;
                 cuda_fit(&model, &run_cfg)?;
-                train_on(model, &a, cfg, &run_cfg)
+                train_on(model, a, cfg, &run_cfg)
             }
             #[cfg(not(feature = "cuda"))]
             {
@@ -333,6 +360,9 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
     super::limits::check_lora_fits(&model.cfg, run_cfg.lora_r, &run_cfg.targets()?)?;
     let n_records = recs.len();
     let mut t = Trainer::new(cfg, a.resume, recs, move |_| Ok(model))?;
+    if a.resume && t.step == t.cfg.steps {
+        eprintln!("note: the run in {} has already done its {} steps; nothing to train (pass a larger --steps to continue it)", t.cfg.out.display(), t.step);
+    }
     let pb = progress::bar(t.cfg.steps as u64, "steps");
     pb.set_position(t.step as u64);
     eprintln!(
@@ -382,25 +412,6 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
     }
 }
 
-/// Refuse an existing, non-empty directory (a missing or empty one is fine).
-fn check_empty_out(out: &std::path::Path) -> Result<()> {
-    let mut names: Vec<String> = match std::fs::read_dir(out) {
-        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e).with_context(|| format!("--out {} cannot be read as a directory", out.display())),
-    };
-    if !names.is_empty() {
-        names.sort();
-        let more = if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() };
-        names.truncate(8);
-        anyhow::bail!(
-            "--out {} is not empty (it has {}{more}): merge writes a complete model directory and never mixes with old files; choose a new or empty directory",
-            out.display(),
-            names.join(", ")
-        );
-    }
-    Ok(())
-}
 
 #[derive(Args, Debug)]
 pub struct MergeArgs {
@@ -413,6 +424,9 @@ pub struct MergeArgs {
     /// Output HF model directory, new or empty (model.safetensors in f32, config and tokenizer files copied).
     #[arg(long)]
     pub out: PathBuf,
+    /// Write into a non-empty --out: first delete the model files there (*.safetensors, the shard index, configs, tokenizer, chat template; other files stay).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 pub fn merge(a: MergeArgs) -> Result<()> {
@@ -424,7 +438,8 @@ pub fn merge(a: MergeArgs) -> Result<()> {
     }
     // a complete model directory or nothing: stale files (a shard index, old shards) would be
     // loaded instead of, or mixed with, the merged weights
-    check_empty_out(&a.out)?;
+    let inputs = [super::limits::model_files(&a.model), super::limits::model_files(&a.adapter)].concat();
+    super::output::check_out_dir("--out", &a.out, &inputs, a.overwrite, super::output::model_dir_file)?;
     let cfg = ModelConfig::load(&a.model)?;
     let mut w = ModelWeights::load(&a.model, &cfg)?;
     let adapter = LoraAdapter::load(&a.adapter, &cfg)?;
@@ -439,6 +454,7 @@ pub fn merge(a: MergeArgs) -> Result<()> {
         anyhow::bail!("merged weight {k} has non-finite values (the base weight or the adapter's product overflows f32); nothing was written to {}", a.out.display());
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    super::output::clear_owned("--out", &a.out, super::output::model_dir_file)?;
     for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "special_tokens_map.json"] {
         let src = a.model.join(f);
         if src.exists() {

@@ -56,17 +56,29 @@ pub enum Signal {
 pub const SIGMA_EPS: f64 = 1e-8;
 
 /// z-scores of `xs` with the population standard deviation; all 0 when σ < 1e-8.
+///
+/// Computed on `xs / 2^e`, `2^e` the power of two at or below max|x| (z-scores do not change
+/// with the scale): finite inputs near ±f64::MAX give finite z-scores instead of overflowing the
+/// sum or the squares, and since dividing by a power of two is exact, every other input gets
+/// the same bits as without it. σ is compared with [`SIGMA_EPS`] in the inputs' own units.
 pub fn zscores(xs: &[f64]) -> Vec<f64> {
-    if xs.is_empty() {
-        return vec![];
-    }
-    let n = xs.len() as f64;
-    let mu = xs.iter().sum::<f64>() / n;
-    let sigma = (xs.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / n).sqrt();
-    if sigma < SIGMA_EPS {
+    let max = xs.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    if xs.is_empty() || max == 0.0 || !max.is_finite() {
         return vec![0.0; xs.len()];
     }
-    xs.iter().map(|x| (x - mu) / sigma).collect()
+    // the exponent bits of `max` alone; subnormals (exponent 0) are scaled by 1
+    let scale = match f64::from_bits(max.to_bits() & 0x7ff0_0000_0000_0000) {
+        p if p == 0.0 => 1.0,
+        p => p,
+    };
+    let ys: Vec<f64> = xs.iter().map(|x| x / scale).collect();
+    let n = ys.len() as f64;
+    let mu = ys.iter().sum::<f64>() / n;
+    let sigma = (ys.iter().map(|y| (y - mu).powi(2)).sum::<f64>() / n).sqrt();
+    if sigma * scale < SIGMA_EPS {
+        return vec![0.0; xs.len()];
+    }
+    ys.iter().map(|y| (y - mu) / sigma).collect()
 }
 
 /// Final rewards of one group. `outcomes` are 0/1; `signal[i]` is the mode's memory signal of
@@ -156,5 +168,24 @@ mod tests {
         assert_eq!(combine(RewardMode::Infomem, &[0.0, 1.0], &[3.0, -0.4], 0.5), vec![0.0, 0.8]);
         // equal gains: z = 0
         assert_eq!(combine(RewardMode::Infomem, &[1.0, 1.0], &[0.7, 0.7], 0.5), vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn z_scores_near_the_largest_doubles_stay_finite_and_exact_elsewhere() {
+        // a sum of two 1e308s overflowed to inf before (σ = NaN, every reward NaN)
+        let z = zscores(&[1e308, -1e308, 1e308]);
+        let want = [1.0 / 2f64.sqrt(), -2.0 / 2f64.sqrt(), 1.0 / 2f64.sqrt()];
+        for (a, b) in z.iter().zip(want) {
+            assert!((a - b).abs() < 1e-12, "{z:?}");
+        }
+        let r = combine(RewardMode::Infomem, &[1.0, 1.0, 0.0], &[1.7e308, -1.7e308, 5.0], 0.5);
+        assert_eq!(r, vec![1.5, 0.5, 0.0]);
+        // ordinary gains: the same bits as the unscaled formula
+        let xs = [0.31, -1.25, 0.07, 2.5e-3];
+        let n = xs.len() as f64;
+        let mu = xs.iter().sum::<f64>() / n;
+        let sigma = (xs.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / n).sqrt();
+        let plain: Vec<f64> = xs.iter().map(|x| (x - mu) / sigma).collect();
+        assert_eq!(zscores(&xs), plain);
     }
 }

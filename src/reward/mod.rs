@@ -19,9 +19,13 @@ pub fn mean_logprob(lps: &[f32]) -> f64 {
 
 /// One line of `reward --groups`: a group's outcomes and memory signals.
 #[derive(Clone, Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GroupLine {
     pub outcomes: Vec<f64>,
     pub gains: Vec<f64>,
+    /// Its 1-based line in the file (for messages).
+    #[serde(skip)]
+    pub line: usize,
 }
 
 /// Parse and check a `reward --groups` JSONL text; errors name the 1-based line.
@@ -33,7 +37,7 @@ pub fn parse_groups(text: &str, file: &str) -> anyhow::Result<Vec<GroupLine>> {
         if line.trim().is_empty() {
             continue;
         }
-        let g: GroupLine = serde_json::from_str(line)
+        let mut g: GroupLine = serde_json::from_str(line)
             .map_err(|e| anyhow::anyhow!("{file}:{ln}: expected {{\"outcomes\": [...], \"gains\": [...]}}: {e}"))?;
         if g.outcomes.len() != g.gains.len() {
             bail!("{file}:{ln}: {} outcomes but {} gains", g.outcomes.len(), g.gains.len());
@@ -47,6 +51,7 @@ pub fn parse_groups(text: &str, file: &str) -> anyhow::Result<Vec<GroupLine>> {
         if let Some(x) = g.gains.iter().find(|x| !x.is_finite()) {
             bail!("{file}:{ln}: gain {x} is not a finite number");
         }
+        g.line = ln;
         out.push(g);
     }
     Ok(out)

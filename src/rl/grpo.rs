@@ -359,11 +359,49 @@ fn id_list(v: Option<&Value>, what: &str, vocab: usize) -> Result<Vec<u32>> {
         .collect()
 }
 
+/// Refuse a key of `obj` that is not in `known`, naming it and the keys that are.
+fn known_keys(obj: &serde_json::Map<String, Value>, known: &[&str], what: &str) -> Result<()> {
+    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+        bail!("{what} has an unknown key {k:?} (known: {})", known.join(", "));
+    }
+    Ok(())
+}
+
+/// Refuse an unknown key of `obj` that is a near miss of a known one (at most 2 edits, case and
+/// `-`/`_` ignored): a misspelling, whose value would otherwise be dropped in silence.
+fn near_miss_keys(obj: &serde_json::Map<String, Value>, known: &[&str], what: &str) -> Result<()> {
+    let norm = |s: &str| s.to_ascii_lowercase().replace('-', "_");
+    for k in obj.keys().filter(|k| !known.contains(&k.as_str())) {
+        if let Some(m) = known.iter().find(|m| edit_distance(&norm(k), m) <= 2) {
+            bail!("{what} has an unknown key {k:?}; did you mean {m:?}? (known: {})", known.join(", "));
+        }
+    }
+    Ok(())
+}
+
+/// Levenshtein distance (bytes), for the short key names above.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, &x) in a.iter().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, &y) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(x != y)).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// Parse and validate a GRPO batch file against a vocabulary of `vocab` ids. Errors name the
 /// conversation index and the field.
 pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
     let v: Value = serde_json::from_str(&quote_nonfinite(text)).context("the batch is not valid JSON")?;
     let obj = v.as_object().context("the batch must be a JSON object with \"conversations\", \"eps_low\", \"eps_high\", \"kl_coef\"")?;
+    // a misspelt key would otherwise be ignored and its default used in silence (an
+    // `old_logprob` meant the current policy instead of the given one). Other top-level keys
+    // are the file's own notes (the fixtures keep their expected loss there) and stay ignored.
+    near_miss_keys(obj, &["conversations", "eps_low", "eps_high", "kl_coef", "token_norm"], "the batch")?;
     let cfg = GrpoConfig {
         eps_low: number(obj.get("eps_low"), "eps_low")?,
         eps_high: number(obj.get("eps_high"), "eps_high")?,
@@ -383,6 +421,7 @@ pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
     for (i, c) in list.iter().enumerate() {
         let conv = (|| -> Result<Conversation> {
             let o = c.as_object().context("must be an object with prompt, response, advantage")?;
+            known_keys(o, &["prompt", "response", "advantage", "old_logprobs", "ref_logprobs"], "a conversation")?;
             let opt = |k: &str| -> Result<Option<Vec<f32>>> {
                 match o.get(k) {
                     None | Some(Value::Null) => Ok(None),
@@ -396,6 +435,12 @@ pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
                 old_logprobs: opt("old_logprobs")?,
                 ref_logprobs: opt("ref_logprobs")?,
             };
+            // a log-probability is ≤ 0 (a probability ≤ 1); a positive one is a value of something else
+            for (k, v) in [("old_logprobs", &conv.old_logprobs), ("ref_logprobs", &conv.ref_logprobs)] {
+                if let Some((j, x)) = v.iter().flatten().enumerate().find(|(_, &x)| x > 0.0) {
+                    bail!("{k}[{j}] = {x} is positive; log-probabilities are ≤ 0");
+                }
+            }
             Ok(conv)
         })()
         .map_err(|e| anyhow::anyhow!("conversation {i}: {e:#}"))?;

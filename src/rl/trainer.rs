@@ -151,6 +151,14 @@ impl TrainConfig {
         ensure!(self.model.is_some(), "no model: pass --model DIR (or `model = ...` in the config file)");
         ensure!(self.data.is_some(), "no training data: pass --data FILE (or `data = ...` in the config file)");
         ensure!(matches!(self.dtype.as_str(), "f32" | "bf16"), "dtype must be \"f32\" or \"bf16\", got {:?}", self.dtype);
+        // the run's config.toml records every path as text, so a path that is not UTF-8 could be
+        // saved (and resumed) only changed: refused here, before the directory is touched
+        let paths = [("out", Some(&self.out)), ("model", self.model.as_ref()), ("data", self.data.as_ref()), ("init_adapter", self.init_adapter.as_ref()), ("templates", self.templates.as_ref())];
+        for (key, p) in paths {
+            if let Some(p) = p.filter(|p| p.to_str().is_none()) {
+                bail!("{} {}: the path is not valid UTF-8 (the run's config.toml records it as text); rename it or choose another", flag(key), p.display());
+            }
+        }
         let int = |key: &str, v: usize, lo: usize, hi: usize, why: &str| -> Result<()> {
             ensure!((lo..=hi).contains(&v), "{} must be an integer in {lo}..={hi}{why}, got {v}", flag(key));
             Ok(())
@@ -810,6 +818,15 @@ fn merge_resumed(mut saved: TrainConfig, saved_step: usize, requested: &TrainCon
 /// ignoring a changed --lr or --data would be a different run than the one asked for.
 pub fn resume_config(requested: &TrainConfig, explicit: &BTreeSet<String>) -> Result<TrainConfig> {
     let (dir, st) = read_latest_state(&requested.out)?;
+    if explicit.contains("steps") && requested.steps < st.step {
+        bail!(
+            "--resume --steps {}: the run in {} is already at step {}; --steps is the new total, so pass at least {} (nothing was changed)",
+            requested.steps,
+            requested.out.display(),
+            st.step,
+            st.step
+        );
+    }
     // the requested values in range first (a NaN would otherwise show as a mere difference);
     // model and data may come from the checkpoint
     TrainConfig { model: st.config.model.clone(), data: st.config.data.clone(), ..requested.clone() }.validate()?;

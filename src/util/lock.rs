@@ -10,6 +10,12 @@ use std::path::{Path, PathBuf};
 /// judged).
 pub const LOCK_FILE: &str = ".train.lock";
 
+/// Whether a directory entry is one of the engine's lock files (`.{what}.lock`): a lock left by
+/// a finished run holds nothing, so it never makes a directory non-empty.
+pub fn is_lock_file(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(".lock")
+}
+
 /// Held while alive; dropping it (or the process ending) releases the lock.
 #[derive(Debug)]
 pub struct DirLock {

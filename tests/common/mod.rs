@@ -3,6 +3,7 @@
 #[cfg(feature = "cuda")]
 #[macro_use]
 pub mod cuda;
+pub mod cli;
 pub mod train;
 use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::model::weights::SafetensorsSet;

@@ -124,6 +124,13 @@ const VERY_LARGE_INTEGER: &str = "1000000000000000019884624838656";
 /// and `config.json` last, and a `config.json` (and `.import-ok` marker) left by an earlier import
 /// is removed first, so an interrupted import never leaves a directory that looks complete.
 pub fn import_gguf(gguf: &Path, out_dir: &Path) -> Result<ImportSummary> {
+    import_gguf_with(gguf, out_dir, &mut || Ok(()))
+}
+
+/// [`import_gguf`], calling `before_write` once the whole file has been checked and before
+/// anything is written (the CLI clears an `--overwrite`n directory there, so a file that fails
+/// its checks leaves the old model whole).
+pub fn import_gguf_with(gguf: &Path, out_dir: &Path, before_write: &mut dyn FnMut() -> Result<()>) -> Result<ImportSummary> {
     let g = GgufFile::open(gguf)?;
     let src = g.source.clone();
 
@@ -207,6 +214,7 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path) -> Result<ImportSummary> {
     let unk = id_of("tokenizer.ggml.unknown_token_id")?;
     let chat_template = get_str(&g, "tokenizer.chat_template")?;
 
+    before_write()?;
     // Output directory: make sure it can't look complete while we write.
     fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;

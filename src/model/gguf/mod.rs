@@ -36,6 +36,6 @@ mod test_builders;
 mod tokenizer;
 
 pub use dequant::{dequantize, GgmlType};
-pub use import::{import_gguf, ImportSummary, SUPPORTED_ARCHS};
+pub use import::{import_gguf, import_gguf_with, ImportSummary, SUPPORTED_ARCHS};
 pub use names::unpermute_qk_rows;
 pub use reader::{GgufFile, GgufTensorInfo, GgufValue};

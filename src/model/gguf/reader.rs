@@ -282,6 +282,15 @@ impl GgufFile {
     /// Memory-map and parse a GGUF file.
     pub fn open(path: &Path) -> Result<GgufFile> {
         let source = path.display().to_string();
+        // a directory would fail later as "cannot mmap: No such device", and opening a FIFO
+        // would wait for a writer forever
+        let kind = std::fs::metadata(path).with_context(|| format!("{source}: cannot open GGUF file"))?.file_type();
+        if kind.is_dir() {
+            bail!("{source}: is a directory; --gguf takes a .gguf file");
+        }
+        if !kind.is_file() {
+            bail!("{source}: is not a regular file (a device, pipe or socket); --gguf takes a .gguf file");
+        }
         let file = File::open(path).with_context(|| format!("{source}: cannot open GGUF file"))?;
         let len = file
             .metadata()

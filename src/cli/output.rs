@@ -1,0 +1,135 @@
+//! One rule for every command's outputs (docs/RELIABILITY.md), checked before any work:
+//! - an output never names one of the command's inputs, `--overwrite` or not;
+//! - an existing output file, or an output directory holding anything, is refused unless
+//!   `--overwrite`; with it, the command replaces only the files it writes itself (other files
+//!   in a directory stay).
+//!
+//! `train` keeps its own run-directory rule (`rl::trainer::check_fresh_out`: the same word, plus
+//! `--resume`); everything else goes through here.
+use super::limits::{check_not_input, check_writable_dir, check_writable_file};
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// The sentence every refusal ends with.
+const HOW: &str = "pass --overwrite to replace it, or choose another path";
+
+/// An output file: writable, not one of `inputs`, and new unless `overwrite`.
+pub fn check_out_file(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool) -> Result<()> {
+    check_writable_file(flag, out)?;
+    check_not_input(flag, out, inputs)?;
+    // symlink_metadata: a dangling symlink is an existing entry too (writing replaces it)
+    if !overwrite && out.symlink_metadata().is_ok() {
+        bail!("{flag} {}: already exists; {HOW}", out.display());
+    }
+    Ok(())
+}
+
+/// An output directory into which the command writes the files `owns` accepts (by file name):
+/// writable; none of its existing owned files an input; empty (but for lock files) unless
+/// `overwrite`. Call [`clear_owned`] right before writing, so a failure before that point keeps
+/// the old files.
+pub fn check_out_dir(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool, owns: fn(&str) -> bool) -> Result<()> {
+    check_writable_dir(flag, out)?;
+    let entries = entries(flag, out)?;
+    for name in entries.iter().filter(|n| owns(n)) {
+        check_not_input(flag, &out.join(name), inputs)?;
+    }
+    if !overwrite && !entries.is_empty() {
+        let mut names = entries;
+        let more = if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() };
+        names.truncate(8);
+        bail!("{flag} {} is not empty (it has {}{more}); {HOW} (only the files this command writes are replaced)", out.display(), names.join(", "));
+    }
+    Ok(())
+}
+
+/// Delete the files of `out` that `owns` accepts (what `--overwrite` replaces), so that no file
+/// of an earlier output is left to mix with the new one (a stale shard index, say).
+pub fn clear_owned(flag: &str, out: &Path, owns: fn(&str) -> bool) -> Result<()> {
+    for name in entries(flag, out)?.into_iter().filter(|n| owns(n)) {
+        let p = out.join(&name);
+        let res = if p.symlink_metadata().is_ok_and(|m| m.is_dir()) { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        res.with_context(|| format!("{flag} --overwrite: cannot delete {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// The names in `out` (none when it does not exist), lock files left out: a lock file left by
+/// a finished run holds nothing.
+fn entries(flag: &str, out: &Path) -> Result<Vec<String>> {
+    let rd = match std::fs::read_dir(out) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(e).with_context(|| format!("{flag} {} cannot be read as a directory", out.display())),
+    };
+    let mut names: Vec<String> = rd
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !infomem_engine::util::lock::is_lock_file(n))
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+/// The files of an HF model directory that a loader reads (`merge` and `import-gguf` write one):
+/// weights (every `*.safetensors` and the shard index), configs, tokenizer, chat template, and
+/// `import-gguf`'s completion marker. A stale one of these left beside a new model would change
+/// what loads.
+pub fn model_dir_file(name: &str) -> bool {
+    name.ends_with(".safetensors")
+        || matches!(
+            name,
+            "model.safetensors.index.json"
+                | "config.json"
+                | "generation_config.json"
+                | "tokenizer.json"
+                | "tokenizer_config.json"
+                | "special_tokens_map.json"
+                | "chat_template.jinja"
+                | ".import-ok"
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_and_directories_follow_one_rule() {
+        let t = tempfile::tempdir().unwrap();
+        let input = t.path().join("in.jsonl");
+        std::fs::write(&input, "x").unwrap();
+        let ins = vec![input.clone()];
+        // a new file is fine; an existing one needs --overwrite; an input never
+        assert!(check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).is_ok());
+        let old = t.path().join("old.jsonl");
+        std::fs::write(&old, "y").unwrap();
+        let e = check_out_file("--out", &old, &ins, false).unwrap_err().to_string();
+        assert!(e.contains("already exists") && e.contains("--overwrite"), "{e}");
+        assert!(check_out_file("--out", &old, &ins, true).is_ok());
+        let e = check_out_file("--out", &input, &ins, true).unwrap_err().to_string();
+        assert!(e.contains("also an input"), "{e}");
+
+        // a directory: empty (or lock only) is fine; anything else needs --overwrite, which
+        // clears the owned files only
+        let d = t.path().join("model");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join(".train.lock"), "1").unwrap();
+        assert!(check_out_dir("--out", &d, &ins, false, model_dir_file).is_ok());
+        std::fs::write(d.join("model.safetensors.index.json"), "{}").unwrap();
+        std::fs::write(d.join("notes.txt"), "mine").unwrap();
+        let e = check_out_dir("--out", &d, &ins, false, model_dir_file).unwrap_err().to_string();
+        assert!(e.contains("not empty") && e.contains("model.safetensors.index.json") && e.contains("notes.txt"), "{e}");
+        assert!(check_out_dir("--out", &d, &ins, true, model_dir_file).is_ok());
+        clear_owned("--out", &d, model_dir_file).unwrap();
+        assert!(!d.join("model.safetensors.index.json").exists());
+        assert_eq!(std::fs::read_to_string(d.join("notes.txt")).unwrap(), "mine");
+        // an owned file that is an input is refused even with --overwrite
+        std::fs::write(d.join("model.safetensors"), "w").unwrap();
+        let e = check_out_dir("--out", &d, &[d.join("model.safetensors")], true, model_dir_file).unwrap_err().to_string();
+        assert!(e.contains("also an input"), "{e}");
+        // a file where a directory is expected
+        let e = check_out_dir("--out", &old, &ins, true, model_dir_file).unwrap_err().to_string();
+        assert!(e.contains("not a directory"), "{e}");
+    }
+}

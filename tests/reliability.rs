@@ -1,0 +1,298 @@
+//! Issue 51 through the real binary: no command replaces an input or an existing output unasked
+//! (one rule, one word: `--overwrite`), nothing silently wrong, sizes checked up front, errors
+//! early and clear. docs/RELIABILITY.md lists each promise with the test here that checks it.
+mod common;
+use common::cli::{bin, fails_cmd, fails_with, run_for, s, Agent};
+use common::{cases, fixtures, write_code_qa};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn ok(args: &[&str]) -> common::cli::Out {
+    let mut c = bin();
+    c.args(args);
+    let o = run_for(c, 120);
+    assert_eq!(o.code, Some(0), "{args:?} should succeed: {}", o.stderr);
+    o
+}
+
+/// The llama GRPO case of the fixtures as a batch file; returns (model, adapter, batch).
+fn grpo_case(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let g = &cases()["llama"]["grpo"];
+    let batch = dir.join("batch.json");
+    std::fs::write(&batch, serde_json::to_string(g).unwrap()).unwrap();
+    // copies: a refused --out must leave these bytes as they were
+    let model = dir.join("model");
+    let adapter = dir.join("adapter");
+    for (src, dst) in [(fixtures().join("tiny-llama"), &model), (fixtures().join(g["adapter_dir"].as_str().unwrap()), &adapter)] {
+        std::fs::create_dir_all(dst).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+    }
+    (model, adapter, batch)
+}
+
+// ---- items 1-3: outputs -------------------------------------------------------------------------
+
+#[test]
+fn grpo_grad_never_writes_over_an_input_or_an_old_output() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, adapter, batch) = grpo_case(t.path());
+    let base = ["grpo-grad", "--model", s(&model), "--adapter", s(&adapter), "--batch", s(&batch)];
+    let inputs = [adapter.join("adapter_model.safetensors"), model.join("model.safetensors"), model.join("config.json"), batch.clone()];
+    let before: Vec<Vec<u8>> = inputs.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    for out in &inputs {
+        for extra in [&[][..], &["--overwrite"][..]] {
+            let mut a = base.to_vec();
+            a.extend(["--out", s(out)]);
+            a.extend(extra);
+            fails_with(&a, &["--out", "is also an input"]);
+        }
+    }
+    for (p, b) in inputs.iter().zip(&before) {
+        assert_eq!(&std::fs::read(p).unwrap(), b, "{} was modified", p.display());
+    }
+    // an existing output is refused without --overwrite, replaced with it
+    let out = t.path().join("grads.safetensors");
+    std::fs::write(&out, "keep").unwrap();
+    let mut a = base.to_vec();
+    a.extend(["--out", s(&out)]);
+    fails_with(&a, &["--out", "already exists", "--overwrite"]);
+    assert_eq!(std::fs::read(&out).unwrap(), b"keep");
+    a.push("--overwrite");
+    ok(&a);
+    assert!(std::fs::metadata(&out).unwrap().len() > 1000, "the gradients were not written");
+}
+
+#[test]
+fn data_and_rollout_outputs_are_new_unless_overwrite() {
+    let a = Agent::new();
+    let t = a.tmp.path();
+    let forty = t.join("forty.jsonl");
+    write_code_qa(&forty, 40, "x");
+    let original = std::fs::read(&forty).unwrap();
+    let synth = ["data", "synth", "--task", "needle", "--tokens", "100", "--count", "1", "--out", s(&forty)];
+    let convert = ["data", "convert", "--data", s(&a.data), "--out", s(&forty)];
+    fails_with(&synth, &["--out", "forty.jsonl", "already exists", "--overwrite"]);
+    fails_with(&convert, &["--out", "forty.jsonl", "already exists", "--overwrite"]);
+    a.fails("rollout", &a.data, &forty, &[], &["--out", "already exists", "--overwrite"]);
+    assert_eq!(std::fs::read(&forty).unwrap(), original, "a refused command changed its --out");
+    ok(&[&synth[..], &["--overwrite"]].concat());
+    assert_eq!(std::fs::read_to_string(&forty).unwrap().lines().count(), 1);
+    ok(&[&convert[..], &["--overwrite"]].concat());
+    assert_eq!(std::fs::read_to_string(&forty).unwrap().lines().count(), 3);
+    a.ok("rollout", &a.data, &forty, &["--overwrite"]);
+}
+
+#[test]
+fn import_gguf_refuses_a_model_directory_and_names_a_directory_given_as_the_file() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("model");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("config.json"), "{}").unwrap();
+    std::fs::write(out.join("model.safetensors.index.json"), "{}").unwrap();
+    let gguf = t.path().join("m.gguf");
+    std::fs::write(&gguf, "GGUF").unwrap();
+    fails_with(&["import-gguf", "--gguf", s(&gguf), "--out", s(&out)], &["--out", "not empty", "config.json", "--overwrite"]);
+    assert_eq!(std::fs::read_to_string(out.join("config.json")).unwrap(), "{}");
+    // with --overwrite a file that fails its checks leaves the old model whole
+    fails_with(&["import-gguf", "--gguf", s(&gguf), "--out", s(&out), "--overwrite"], &["m.gguf"]);
+    assert!(out.join("model.safetensors.index.json").exists(), "the old files were deleted before the GGUF was checked");
+    // a directory (or a FIFO, which would block on open) given as the GGUF file
+    fails_with(&["import-gguf", "--gguf", s(t.path()), "--out", s(&t.path().join("o"))], &["is a directory", "--gguf takes a .gguf file"]);
+    let fifo = t.path().join("pipe.gguf");
+    let c = std::ffi::CString::new(s(&fifo)).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    fails_with(&["import-gguf", "--gguf", s(&fifo), "--out", s(&t.path().join("o"))], &["not a regular file"]);
+}
+
+/// The real import over a directory with a stale shard index: `--overwrite` leaves a model that
+/// loads (the index would have sent the loader to shards that do not exist). Needs SmolLM2's
+/// GGUF from tools/fetch-smollm2.sh.
+#[test]
+fn import_gguf_overwrite_leaves_no_stale_model_file() {
+    let Some(smol) = common::smol_dir() else { return };
+    // tools/fetch-smollm2.sh keeps the GGUF in $INFOMEM_CACHE/gguf, beside the model directory
+    let gguf = smol.parent().unwrap().join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.exists() {
+        assert!(std::env::var("INFOMEM_REQUIRE_SMOL").as_deref() != Ok("1"), "{} is missing (run tools/fetch-smollm2.sh)", gguf.display());
+        eprintln!("skipped: {} is missing", gguf.display());
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("model");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("model.safetensors.index.json"), r#"{"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}"#).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    ok(&["import-gguf", "--gguf", s(&gguf), "--out", s(&out), "--overwrite"]);
+    assert!(!out.join("model.safetensors.index.json").exists());
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine", "a file import-gguf does not write was deleted");
+    ok(&["score", "--model", s(&out), "--context-ids", "1,2,3", "--target-ids", "4"]);
+}
+
+// ---- items 5, 6, 11: eval -------------------------------------------------------------------------
+
+#[test]
+fn eval_lengths_and_data_are_each_counted_once_and_labelled_truly() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("ev");
+    a.fails("eval", &a.data, &out, &["--lengths", "600,600"], &["--lengths", "600", "more than once"]);
+    let data = s(&a.data).to_string();
+    a.fails("eval", &a.data, &out, &["--data", &data], &["--data", "more than once"]);
+    // the records are ~20 tokens on their own: a row labelled 5 would hold 4x longer documents
+    a.fails("eval", &a.data, &out, &["--lengths", "5"], &["--lengths 5", "on their own", "at least"]);
+    // three short records cannot pad each other to 100000 tokens
+    a.fails("eval", &a.data, &out, &["--lengths", "100000"], &["--lengths 100000", "at most"]);
+    assert!(!out.exists(), "a refused eval left its --out behind");
+}
+
+#[test]
+fn eval_takes_its_lock_before_any_work() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("ev");
+    std::fs::create_dir(&out).unwrap();
+    // another process holds the directory (as a live train or eval would)
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(out.join(".train.lock")).unwrap();
+    use std::os::unix::io::AsRawFd;
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let t = Instant::now();
+    let o = a.fails("eval", &a.data, &out, &[], &["--out", "in use by another run"]);
+    assert!(t.elapsed() < Duration::from_secs(20));
+    assert!(!o.stderr.contains("conversations"), "the eval ran before it was refused: {}", o.stderr);
+    drop(lock);
+    a.ok("eval", &a.data, &out, &[]);
+    // a finished evaluation is replaced only with --overwrite
+    a.fails("eval", &a.data, &out, &[], &["already holds an evaluation", "--overwrite"]);
+    a.ok("eval", &a.data, &out, &["--overwrite"]);
+}
+
+// ---- items 7, 8: grpo-grad batches, reward -----------------------------------------------------
+
+#[test]
+fn grpo_grad_batch_keys_are_known_and_logprobs_not_positive() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, adapter, batch) = grpo_case(t.path());
+    let g = cases()["llama"]["grpo"].clone();
+    let run = |g: &serde_json::Value, needles: &[&str]| {
+        std::fs::write(&batch, serde_json::to_string(g).unwrap()).unwrap();
+        let out = t.path().join("g.safetensors");
+        fails_with(&["grpo-grad", "--model", s(&model), "--adapter", s(&adapter), "--batch", s(&batch), "--out", s(&out)], needles);
+        assert!(!out.exists());
+    };
+    let mut misspelt = g.clone();
+    let c0 = misspelt["conversations"][0].as_object_mut().unwrap();
+    let v = c0.remove("old_logprobs").expect("the fixture's first conversation has old_logprobs");
+    c0.insert("old_logprob".into(), v);
+    run(&misspelt, &["unknown key", "old_logprob", "old_logprobs"]);
+    let mut top = g.clone();
+    top["token_norms"] = 64.into();
+    run(&top, &["unknown key", "token_norms", "did you mean \"token_norm\""]);
+    let mut conv = g.clone();
+    conv["conversations"][1]["weight"] = 2.into();
+    run(&conv, &["conversation 1", "unknown key", "weight"]);
+    let mut positive = g.clone();
+    positive["conversations"][0]["old_logprobs"][0] = 0.5.into();
+    run(&positive, &["old_logprobs[0] = 0.5", "positive"]);
+}
+
+#[test]
+fn reward_of_extreme_gains_is_finite_and_an_empty_file_an_error() {
+    let t = tempfile::tempdir().unwrap();
+    let g = t.path().join("g.jsonl");
+    std::fs::write(&g, "{\"outcomes\": [1, 1, 0], \"gains\": [1.7e308, -1.7e308, 3.0]}\n").unwrap();
+    let o = ok(&["reward", "--groups", s(&g)]);
+    let v: serde_json::Value = serde_json::from_str(o.stdout.trim()).unwrap();
+    assert_eq!(v["final_rewards"], serde_json::json!([1.5, 0.5, 0.0]));
+    // a reward that overflows (--beta × a raw gain) is an error naming the group
+    std::fs::write(&g, "{\"outcomes\": [1, 0], \"gains\": [1e308, 0]}\n").unwrap();
+    fails_with(&["reward", "--groups", s(&g), "--mode", "infomem-raw", "--beta", "10"], &["group 1", "line 1", "overflows"]);
+    std::fs::write(&g, "\n").unwrap();
+    fails_with(&["reward", "--groups", s(&g)], &["no groups"]);
+    std::fs::write(&g, "{\"outcomes\": [1], \"gains\": [0.1], \"gain\": 2}\n").unwrap();
+    fails_with(&["reward", "--groups", s(&g)], &["line 1", "gain"]);
+}
+
+// ---- item 9: bench sizes ------------------------------------------------------------------------
+
+#[test]
+fn bench_shapes_are_checked_before_the_model_loads() {
+    let m = fixtures().join("tiny-llama");
+    for (extra, needles) in [
+        (&["--work", "score", "--seq-len", "4000000000"][..], &["--seq-len 4000000000", "max_position_embeddings 256"][..]),
+        (&["--work", "score", "--seq-len", "300"], &["300 positions", "max_position_embeddings 256"]),
+        (&["--work", "decode", "--seq-len", "200", "--new-tokens", "100"], &["300 positions"]),
+        (&["--work", "score", "--batch", "100000000000", "--seq-len", "32", "--score-last", "8"], &["--batch 100000000000", "memory", "lower --batch"]),
+        (&["--work", "train", "--batch", "100000000000", "--seq-len", "200", "--score-last", "8"], &["memory"]),
+        (&["--work", "score", "--chunks", "3"], &["--chunks", "rollout only"]),
+    ] {
+        let mut a = vec!["bench", "--model", s(&m)];
+        a.extend(extra);
+        let t = Instant::now();
+        fails_with(&a, needles);
+        assert!(t.elapsed() < Duration::from_secs(10), "{a:?} took {:?} to be refused", t.elapsed());
+    }
+    // the JSON has each size only where the work uses it
+    let o = ok(&["bench", "--model", s(&m), "--work", "score", "--seq-len", "32", "--score-last", "8", "--batch", "1", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(o.stdout.trim()).unwrap();
+    assert!(v["new_tokens"].is_null() && v["score_last"] == 8, "{v}");
+}
+
+// ---- items 13, 14, cosmetics ---------------------------------------------------------------------
+
+#[test]
+fn train_refuses_a_non_utf8_out_before_making_it() {
+    use std::os::unix::ffi::OsStrExt;
+    let a = Agent::new();
+    let bad = a.tmp.path().join(std::ffi::OsStr::from_bytes(b"run-\xff"));
+    let mut c = bin();
+    c.args(["train", "--model", s(&a.model), "--data", s(&a.data), "--templates", s(&a.templates), "--steps", "1", "--out"]).arg(&bad);
+    fails_cmd(c, &["--out", "run-", "not valid UTF-8"]);
+    assert!(!bad.exists(), "the refused run left its directory behind");
+    // a run refused after its lock was taken leaves neither
+    let out = a.tmp.path().join("run");
+    fails_with(&["train", "--model", s(&a.model), "--data", s(&a.tmp.path().join("none.jsonl")), "--steps", "1", "--out", s(&out)], &["none.jsonl"]);
+    assert!(!out.exists(), "the failed run left {} behind", out.display());
+}
+
+#[test]
+fn more_threads_than_cores_is_said() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("s.jsonl");
+    let o = ok(&["--threads", "1024", "data", "synth", "--task", "needle", "--tokens", "100", "--count", "1", "--out", s(&out)]);
+    assert!(o.stderr.contains("--threads 1024") && o.stderr.contains("more threads than") && o.stderr.contains("cores"), "{}", o.stderr);
+    let o = ok(&["--threads", "1", "data", "synth", "--task", "needle", "--tokens", "100", "--count", "1", "--out", s(&out), "--overwrite"]);
+    assert!(!o.stderr.contains("more threads than"), "{}", o.stderr);
+}
+
+#[test]
+fn device_json_reports_its_failure_as_json() {
+    let mut c = bin();
+    c.args(["device", "--json", "--ordinal", "99"]);
+    let o = run_for(c, 60);
+    if o.code == Some(0) {
+        return; // a machine with 100 GPUs
+    }
+    assert_eq!(o.code, Some(1), "{}", o.stderr);
+    let v: serde_json::Value = serde_json::from_str(o.stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", o.stdout));
+    assert_eq!(v["ok"], false);
+    assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+}
+
+#[test]
+fn resume_with_fewer_steps_than_done_is_refused_and_equal_is_said() {
+    let (_m, model) = common::tiny_for_agent("llama");
+    let t = tempfile::tempdir().unwrap();
+    let data = t.path().join("d.jsonl");
+    write_code_qa(&data, 4, "r");
+    let out = t.path().join("run");
+    let base = ["train", "--model", s(&model), "--data", s(&data), "--out", s(&out), "--queries-per-step", "1", "--group-size", "2", "--chunk-tokens", "40", "--memory-tokens", "8", "--answer-tokens", "4", "--lora-r", "2"];
+    ok(&[&base[..], &["--steps", "2"]].concat());
+    let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let config = std::fs::read(out.join("config.toml")).unwrap();
+    fails_with(&["train", "--out", s(&out), "--resume", "--steps", "1"], &["--steps 1", "already at step 2", "at least 2"]);
+    let o = ok(&["train", "--out", s(&out), "--resume", "--steps", "2"]);
+    assert!(o.stderr.contains("already done its 2 steps"), "{}", o.stderr);
+    assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics);
+    assert_eq!(std::fs::read(out.join("config.toml")).unwrap(), config);
+}
