@@ -131,6 +131,23 @@ fn import_gguf_overwrite_leaves_no_stale_model_file() {
     ok(&["score", "--model", s(&out), "--context-ids", "1,2,3", "--target-ids", "4"]);
 }
 
+#[test]
+fn merge_overwrite_replaces_the_model_files_only() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, adapter, _) = grpo_case(t.path());
+    let out = t.path().join("merged");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("model.safetensors.index.json"), r#"{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}"#).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    fails_with(&["merge", "--model", s(&model), "--adapter", s(&adapter), "--out", s(&out)], &["not empty", "--overwrite"]);
+    ok(&["merge", "--model", s(&model), "--adapter", s(&adapter), "--out", s(&out), "--overwrite"]);
+    assert!(!out.join("model.safetensors.index.json").exists(), "a stale shard index was left beside the merged weights");
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    ok(&["score", "--model", s(&out), "--context-ids", "1,2,3", "--target-ids", "4"]);
+    // the adapter's own directory as --out: its files are inputs
+    fails_with(&["merge", "--model", s(&model), "--adapter", s(&adapter), "--out", s(&adapter), "--overwrite"], &["is also an input"]);
+}
+
 // ---- items 5, 6, 11: eval -------------------------------------------------------------------------
 
 #[test]
@@ -295,4 +312,9 @@ fn resume_with_fewer_steps_than_done_is_refused_and_equal_is_said() {
     assert!(o.stderr.contains("already done its 2 steps"), "{}", o.stderr);
     assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics);
     assert_eq!(std::fs::read(out.join("config.toml")).unwrap(), config);
+    // --overwrite deletes the old run's files, so it may not start from that run's adapter
+    let adapter = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
+    let init = out.join("adapter");
+    fails_with(&[&base[..], &["--steps", "1", "--overwrite", "--init-adapter", s(&init)]].concat(), &["--out", "adapter", "holds an input"]);
+    assert_eq!(std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap(), adapter);
 }

@@ -32,13 +32,32 @@ pub fn check_out_dir(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool
     check_writable_dir(flag, out)?;
     let entries = entries(flag, out)?;
     for name in entries.iter().filter(|n| owns(n)) {
-        check_not_input(flag, &out.join(name), inputs)?;
+        check_replaceable(flag, &out.join(name), inputs)?;
     }
     if !overwrite && !entries.is_empty() {
         let mut names = entries;
         let more = if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() };
         names.truncate(8);
         bail!("{flag} {} is not empty (it has {}{more}); {HOW} (only the files this command writes are replaced)", out.display(), names.join(", "));
+    }
+    Ok(())
+}
+
+/// Refuse to replace `path` (a file, or a directory with everything under it) when it is or
+/// holds one of `inputs` (`--overwrite` deletes it before the inputs are read).
+pub fn check_replaceable(flag: &str, path: &Path, inputs: &[PathBuf]) -> Result<()> {
+    if !path.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        return check_not_input(flag, path, inputs);
+    }
+    let Ok(dir) = path.canonicalize() else { return Ok(()) };
+    for input in inputs {
+        if input.canonicalize().is_ok_and(|i| i.starts_with(&dir)) {
+            bail!(
+                "{flag}: {} would be replaced, but it holds an input ({}); choose another output path, or move that input first",
+                path.display(),
+                input.display()
+            );
+        }
     }
     Ok(())
 }

@@ -276,6 +276,15 @@ pub fn train(a: TrainArgs) -> Result<()> {
 
 /// `train` once its --out is locked.
 fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>) -> Result<()> {
+    if a.overwrite {
+        // --overwrite deletes the previous run's files: never one the new run reads (its
+        // --init-adapter taken from that run's adapter/, say)
+        let dir_files = |d: &Option<PathBuf>| d.as_deref().map(super::limits::model_files).unwrap_or_default();
+        let inputs: Vec<PathBuf> = [dir_files(&cfg.model), dir_files(&cfg.init_adapter), cfg.data.iter().chain(&cfg.templates).chain(&a.config).cloned().collect()].concat();
+        for name in trainer::RUN_FILES {
+            super::output::check_replaceable("--out", &cfg.out.join(name), &inputs)?;
+        }
+    }
     trainer::check_fresh_out(&cfg.out, a.resume, a.overwrite)?;
     // the run's model and data: from the checkpoint when resuming (changed settings refused)
     let run_cfg = if a.resume { trainer::resume_config(&cfg, explicit)? } else { cfg.clone() };

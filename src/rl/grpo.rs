@@ -361,6 +361,7 @@ fn id_list(v: Option<&Value>, what: &str, vocab: usize) -> Result<Vec<u32>> {
 
 /// Refuse a key of `obj` that is not in `known`, naming it and the keys that are.
 fn known_keys(obj: &serde_json::Map<String, Value>, known: &[&str], what: &str) -> Result<()> {
+    near_miss_keys(obj, known, what)?;
     if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
         bail!("{what} has an unknown key {k:?} (known: {})", known.join(", "));
     }
@@ -421,7 +422,6 @@ pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
     for (i, c) in list.iter().enumerate() {
         let conv = (|| -> Result<Conversation> {
             let o = c.as_object().context("must be an object with prompt, response, advantage")?;
-            known_keys(o, &["prompt", "response", "advantage", "old_logprobs", "ref_logprobs"], "a conversation")?;
             let opt = |k: &str| -> Result<Option<Vec<f32>>> {
                 match o.get(k) {
                     None | Some(Value::Null) => Ok(None),
@@ -435,6 +435,8 @@ pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
                 old_logprobs: opt("old_logprobs")?,
                 ref_logprobs: opt("ref_logprobs")?,
             };
+            // after the fields, so that a misspelt required key reads as the missing field
+            known_keys(o, &["prompt", "response", "advantage", "old_logprobs", "ref_logprobs"], "a conversation")?;
             // a log-probability is ≤ 0 (a probability ≤ 1); a positive one is a value of something else
             for (k, v) in [("old_logprobs", &conv.old_logprobs), ("ref_logprobs", &conv.ref_logprobs)] {
                 if let Some((j, x)) = v.iter().flatten().enumerate().find(|(_, &x)| x > 0.0) {

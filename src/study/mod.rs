@@ -62,7 +62,7 @@ pub struct EvalSet {
 
 /// Flags the study sets itself (per cell): refused in the flag tables.
 const TRAIN_RESERVED: [&str; 7] = ["model", "out", "seed", "resume", "overwrite", "dtype", "threads"];
-const EVAL_RESERVED: [&str; 7] = ["model", "adapter", "data", "out", "dtype", "threads", "json"];
+const EVAL_RESERVED: [&str; 8] = ["model", "adapter", "data", "out", "dtype", "threads", "json", "overwrite"];
 /// Flag values that are paths: checked to exist before anything runs.
 const PATH_FLAGS: [&str; 4] = ["data", "templates", "init_adapter", "config"];
 
@@ -304,7 +304,9 @@ pub fn eval_command(cfg: &StudyConfig, cell: &Cell, e: &EvalSet) -> Option<(Stri
     if cell.seed.is_some() {
         args.extend(["--adapter".into(), p(&cell.adapter())]);
     }
-    args.extend(["--data".into(), p(&e.data), "--out".into(), p(&cell.eval_dir(&e.name))]);
+    // the directory is the cell's own and holds no finished evaluation (results.json): what an
+    // interrupted one left there is replaced
+    args.extend(["--data".into(), p(&e.data), "--out".into(), p(&cell.eval_dir(&e.name)), "--overwrite".into()]);
     args.extend(flags_to_args(&merge(&cfg.eval, &e.flags)));
     args.extend(common_args(cfg));
     Some((format!("eval-{}", e.name), args))
