@@ -150,6 +150,8 @@ fn runs_skips_and_resumes() {
     assert_eq!(summary.len(), 3, "{j}");
     assert_eq!(j["pairwise"].as_array().unwrap().len(), 1, "{j}");
     assert_eq!(j["pairwise"][0]["per_seed"][0]["n"], 4);
+    assert_eq!(j["pairwise"][0]["per_seed"][0]["paired"], true);
+    assert_eq!(j["evals_with_different_questions"], serde_json::json!([]));
     let md = std::fs::read_to_string(out.join("study.md")).unwrap();
     assert!(md.contains("| outcome | 4 × 1 |") && md.contains("| base | 4 × 1 |") && md.contains("| outcome vs infomem |"), "{md}");
 
@@ -331,6 +333,8 @@ fn changed_settings_are_refused_and_unpaired_answers_not_tested() {
     assert!(pw["pooled"].is_null() && pw["per_seed"][0]["p"].is_null(), "{pw}");
     let md = std::fs::read_to_string(out.join("study.md")).unwrap();
     assert!(md.contains("s7: not paired (no paired questions") && !md.contains("p=1.0000"), "{md}");
+    assert!(md.contains("Not every run above answered the same questions"), "{md}");
+    assert_eq!(j["evals_with_different_questions"], serde_json::json!(["held"]));
 }
 
 fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {

@@ -959,6 +959,7 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
     let mut md = String::from("# Study report\n\n");
     md.push_str(&format!("Model `{}`; seeds {:?}; accuracy = exact match (em). 95 % intervals: two-level percentile bootstrap (seeds, then questions), {} resamples.\n\n", p(&cfg.model), cfg.seeds, stats::RESAMPLES));
     let mut pairwise = Vec::new();
+    let mut unequal: Vec<String> = Vec::new();
     for e in &cfg.evals {
         md.push_str(&format!("## {}\n\n| arm | n questions × seeds | em | 95 % CI |\n|---|---|---|---|\n", e.name));
         if let Some(b) = base.get(&e.name) {
@@ -983,6 +984,18 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
             md.push_str(&format!("| {} | {} | {} | {} |\n", a.name, n_md, f3(m), ci_md(ci)));
             summary.push(json!({"eval": e.name, "arm": a.name, "seeds": v.len(), "seed_list": by_seed.keys().collect::<Vec<_>>(), "n_questions": nq,
                 "n_per_seed": by_seed.values().map(|x| x.len()).collect::<Vec<_>>(), "same_questions": same, "em": num(m), "ci95": ci_json(ci)}));
+        }
+        // the rows are comparable only when every run answered the same questions
+        let mut all_sets: BTreeSet<BTreeSet<&str>> = BTreeSet::new();
+        all_sets.extend(base.get(&e.name).map(|b| b.iter().map(|x| x.key.as_str()).collect()));
+        for a in &cfg.arms {
+            if let Some(by_seed) = preds.get(&(a.name.clone(), e.name.clone())) {
+                all_sets.extend(by_seed.values().map(|ps| ps.iter().map(|x| x.key.as_str()).collect::<BTreeSet<_>>()));
+            }
+        }
+        if all_sets.len() > 1 {
+            md.push_str("\nNot every run above answered the same questions (other lengths or data): these accuracies are not comparable row to row.\n");
+            unequal.push(e.name.clone());
         }
         // pairwise: every pair of arms on the seeds both have, questions paired by id
         let mut rows = String::new();
@@ -1040,7 +1053,7 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
     let out = json!({"model": p(&cfg.model), "seeds": cfg.seeds, "arms": cfg.arms.iter().map(|a| a.name.clone()).collect::<Vec<_>>(),
         "evals": cfg.evals.iter().map(|e| json!({"name": e.name, "data": p(&e.data)})).collect::<Vec<_>>(),
         "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::BOOT_SEED, "interval": "percentile 2.5/97.5, resample seeds then questions"},
-        "cells": cell_rows, "summary": summary, "pairwise": pairwise});
+        "cells": cell_rows, "summary": summary, "pairwise": pairwise, "evals_with_different_questions": unequal});
     std::fs::create_dir_all(&cfg.out).with_context(|| format!("cannot create {}", cfg.out.display()))?;
     crate::util::fs::write_atomic_str(&cfg.out.join("study.json"), &serde_json::to_string_pretty(&out)?)?;
     crate::util::fs::write_atomic_str(&cfg.out.join("study.md"), &md)?;
