@@ -209,6 +209,14 @@ fn a_failing_cell_names_its_command_and_log() {
     let err = stderr(&o);
     assert!(err.contains("outcome-s7: command failed") && err.contains("--data=") && err.contains("bad.jsonl") && err.contains("outcome-s7/log.txt"), "{err}");
     assert!(err.contains("line 1"), "the log's last lines are shown: {err}");
+    // the data mended (another file): the failed training kept nothing, so its settings may
+    // change; it is started over
+    let good = tmp.path().join("good.jsonl");
+    write_code_qa(&good, 4, "");
+    std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace(&bad.display().to_string(), &good.display().to_string())).unwrap();
+    let o = study(&cfg, &["--only", "outcome"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("outcome-s7: train (restart)"), "{}", stderr(&o));
 }
 
 /// Item 10 of issue 51: every value is checked before the first cell runs (`--dry-run` too), by

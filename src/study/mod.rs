@@ -349,6 +349,10 @@ impl Cell {
     fn trained(&self) -> bool {
         self.seed.is_none() || self.adapter().join("adapter_model.safetensors").exists()
     }
+    /// An arm's training that would be kept: its adapter or a checkpoint to resume from.
+    fn has_training(&self) -> bool {
+        self.seed.is_some() && (self.trained() || crate::rl::trainer::latest_checkpoint(&self.train_dir()).is_some())
+    }
     fn evaluated(&self, eval: &str) -> bool {
         self.eval_dir(eval).join("results.json").exists()
     }
@@ -547,8 +551,10 @@ fn diff(prefix: &str, old: &Value, new: &Value, out: &mut Vec<String>) {
 
 /// Refuse a study whose cells on disk were run with other settings than the file now gives
 /// (every cell of the study, selected or not: the report shows them all). A part is compared
-/// when its directory exists; a part run before settings were recorded has no record and is
-/// taken as it is (and recorded by the next run).
+/// when it has something that would be kept: a training with a checkpoint or its adapter, an
+/// evaluation with its results.json (a part without is run again in full, under the file's
+/// settings, anyway). A part run before settings were recorded has no record and is taken as it
+/// is (and recorded by the next run).
 fn check_recorded(cfg: &StudyConfig) -> Result<()> {
     let mut lines = Vec::new();
     let mut remove: Vec<PathBuf> = Vec::new();
@@ -559,7 +565,7 @@ fn check_recorded(cfg: &StudyConfig) -> Result<()> {
         let rec = read_record(&c)?;
         let now = &cfg.settings[&c.name()];
         let rel = c.dir.strip_prefix(&cfg.out).unwrap_or(&c.dir).display().to_string();
-        if c.seed.is_some() && c.train_dir().exists() {
+        if c.seed.is_some() && c.has_training() {
             if let (Some(old), Some(new)) = (rec.get("train"), now.get("train")) {
                 let mut d = Vec::new();
                 diff("", old, new, &mut d);
@@ -572,7 +578,7 @@ fn check_recorded(cfg: &StudyConfig) -> Result<()> {
         }
         for e in &cfg.evals {
             let part = format!("eval-{}", e.name);
-            if !c.eval_dir(&e.name).exists() {
+            if !c.evaluated(&e.name) {
                 continue;
             }
             if let (Some(old), Some(new)) = (rec.get(&part), now.get(&part)) {
@@ -622,12 +628,12 @@ fn record_unrecorded(cfg: &StudyConfig, cell: &Cell, tag: &str) -> Result<()> {
         return Ok(());
     }
     let rec = read_record(cell)?;
-    let mut parts: Vec<(String, PathBuf)> = cfg.evals.iter().map(|e| (format!("eval-{}", e.name), cell.eval_dir(&e.name))).collect();
+    let mut parts: Vec<(String, PathBuf, bool)> = cfg.evals.iter().map(|e| (format!("eval-{}", e.name), cell.eval_dir(&e.name), cell.evaluated(&e.name))).collect();
     if cell.seed.is_some() {
-        parts.insert(0, ("train".into(), cell.train_dir()));
+        parts.insert(0, ("train".into(), cell.train_dir(), cell.has_training()));
     }
-    for (part, dir) in parts {
-        if dir.exists() && !rec.contains_key(&part) {
+    for (part, dir, kept) in parts {
+        if kept && !rec.contains_key(&part) {
             eprintln!("{tag}: note: {} has no settings record (made before they were recorded): taken as run with this study file's", dir.display());
             record(cfg, cell, &part)?;
         }
