@@ -251,6 +251,15 @@ fn values_are_checked_before_anything_runs() {
         assert!(!stderr(&o).contains("unexpected argument") && !stderr(&o).contains("panicked"), "{what}: {}", stderr(&o));
     }
     assert!(!tmp.path().join("out").exists(), "a refused study created its out directory");
+    // a train config file: checked with the flags that override it (train's own order)
+    let tc = tmp.path().join("train-config.toml");
+    std::fs::write(&tc, "lr = -1.0\nkl_coef = -2.0\n").unwrap();
+    let cfg = tmp.path().join("config.toml");
+    std::fs::write(&cfg, good.replace("steps = 2", &format!("steps = 2\nconfig = {:?}", tc.display().to_string()))).unwrap();
+    let o = study(&cfg, &["--dry-run"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("cell outcome-s7: train settings") && err.contains("--kl-coef") && err.contains("got -2"), "lr is overridden by the flag, kl_coef is not: {err}");
     // the train config file's spelling of the matcher works as the flag's does
     let cfg = tmp.path().join("matcher.toml");
     std::fs::write(&cfg, good.replace("steps = 2", "steps = 2\nmatcher = \"sub-em\"")).unwrap();

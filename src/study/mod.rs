@@ -254,8 +254,8 @@ fn probe_args(cfg: &StudyConfig, sub: Sub, key: &str, extra: Vec<String>) -> Vec
 
 /// Every value of the study, one at a time, through the subcommand's own parser and checks (so
 /// an error names the key it comes from): the top-level `dtype` and `threads`, then every key of
-/// every flag table. Then every cell's complete argument lists (settings that are only wrong
-/// together).
+/// every flag table. Every cell's complete argument lists are checked after this, by
+/// [`resolve_cells`] (settings that are only wrong together, a train `config` file).
 fn check_values(cfg: &StudyConfig, cmds: &dyn Commands) -> Result<()> {
     for (key, val) in [("dtype", cfg.dtype.clone()), ("threads", cfg.threads.map(|t| t.to_string()))] {
         let Some(val) = val else { continue };
@@ -267,7 +267,9 @@ fn check_values(cfg: &StudyConfig, cmds: &dyn Commands) -> Result<()> {
     tables.extend(cfg.arms.iter().enumerate().map(|(i, a)| (format!("arms[{i}] ({})", a.name), &a.flags, Sub::Train)));
     tables.extend(cfg.evals.iter().enumerate().map(|(i, e)| (format!("evals[{i}] ({})", e.name), &e.flags, Sub::Eval)));
     for (at, table, sub) in tables {
-        for (k, v) in table {
+        // a train `config` file's values may be overridden by the table's flags: it is checked
+        // with them, in its cells' complete argument lists (below)
+        for (k, v) in table.iter().filter(|(k, _)| k.as_str() != "config") {
             let one: toml::Table = [(k.clone(), v.clone())].into_iter().collect();
             cmds.resolve(sub, &probe_args(cfg, sub, k, flags_to_args(&one))).with_context(|| format!("{at}.{k} = {v}"))?;
         }
