@@ -2,7 +2,11 @@
 //! plan (docs/STUDY.md). Each cell's training and evaluations run as subprocesses of this very
 //! binary, so a cell's directory behaves exactly like a `train` / `eval` run directory (locks,
 //! checkpoints, `--resume`); the study only decides, from what is on disk, what is left to do.
-//! The report (study.json, study.md, two PNGs) is rebuilt from the finished work every time.
+//! Before anything runs, every value is checked by the subcommands' own parsers and every part
+//! of a cell on disk is compared with the settings it was recorded with (`settings.json`): a
+//! changed setting is refused, never reported as a finished cell. The children die with the
+//! study. The report (study.json, study.md, two PNGs) is rebuilt from the finished work every
+//! time, and pairs only answers to the same questions.
 pub mod stats;
 
 use crate::util::plot::{Chart, Series};
