@@ -1,7 +1,9 @@
-//! `infomem-engine study` through the binary on a tiny model: config errors name the key, a
-//! dry run prints the commands and creates nothing, a real 2 arms × 1 seed × 1 eval set plan
-//! writes its report, a second run skips everything, a lost evaluation alone is redone and a
-//! cell without its adapter resumes from its checkpoint. (The statistics: src/study/stats.rs.)
+//! `infomem-engine study` through the binary on a tiny model: config errors name the key, every
+//! value is checked before anything runs, a dry run prints the commands and creates nothing, a
+//! real 2 arms × 1 seed × 1 eval set plan writes its report, a second run skips everything, a
+//! lost evaluation alone is redone, a cell without its adapter resumes from its checkpoint, a
+//! changed setting is refused, unpaired answers are not tested, and an interrupted or killed
+//! study leaves nothing running. (The statistics: src/study/stats.rs.)
 mod common;
 use common::*;
 use std::path::Path;
@@ -111,8 +113,8 @@ fn dry_run_prints_commands_and_creates_nothing() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("[cell 2/3] outcome-s7: train"), "{out}");
-    assert!(out.contains("--reward outcome") && out.contains("--beta 0.5 --chunk-tokens 40") && out.contains("--reward infomem"), "{out}");
-    assert!(out.contains("--lora-targets q,v") && out.contains("--no-memory-curve") && out.contains("--seed 7"), "{out}");
+    assert!(out.contains("--reward=outcome") && out.contains("--beta=0.5 --chunk-tokens=40") && out.contains("--reward=infomem"), "{out}");
+    assert!(out.contains("--lora-targets=q,v") && out.contains("--no-memory-curve") && out.contains("--seed=7"), "{out}");
     assert!(out.contains("base: eval-held") && out.contains("infomem-s7: eval-held"), "{out}");
     assert!(!tmp.path().join("out").exists(), "--dry-run created the study directory");
     // an arm limited to some of the study's seeds is trained only with those
@@ -148,6 +150,8 @@ fn runs_skips_and_resumes() {
     assert_eq!(summary.len(), 3, "{j}");
     assert_eq!(j["pairwise"].as_array().unwrap().len(), 1, "{j}");
     assert_eq!(j["pairwise"][0]["per_seed"][0]["n"], 4);
+    assert_eq!(j["pairwise"][0]["per_seed"][0]["paired"], true);
+    assert_eq!(j["evals_with_different_questions"], serde_json::json!([]));
     let md = std::fs::read_to_string(out.join("study.md")).unwrap();
     assert!(md.contains("| outcome | 4 × 1 |") && md.contains("| base | 4 × 1 |") && md.contains("| outcome vs infomem |"), "{md}");
 
@@ -195,11 +199,231 @@ fn a_failing_cell_names_its_command_and_log() {
     let (_t, model) = tiny_for_agent("llama");
     let tmp = tempfile::tempdir().unwrap();
     let cfg = plan(tmp.path(), &model, "");
-    let text = std::fs::read_to_string(&cfg).unwrap().replace("group_size = 3", "group_size = 1");
+    // training data that cannot be read (every value is valid: the failure comes at run time)
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{not json\n").unwrap();
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("reward = \"outcome\"", &format!("reward = \"outcome\"\ndata = {:?}", bad.display().to_string()));
     std::fs::write(&cfg, text).unwrap();
     let o = study(&cfg, &["--only", "outcome"]);
-    assert!(!o.status.success());
+    assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
-    assert!(err.contains("outcome-s7: command failed") && err.contains("--group-size 1") && err.contains("outcome-s7/log.txt"), "{err}");
-    assert!(err.contains("group"), "the log's last lines are shown: {err}");
+    assert!(err.contains("outcome-s7: command failed") && err.contains("--data=") && err.contains("bad.jsonl") && err.contains("outcome-s7/log.txt"), "{err}");
+    assert!(err.contains("line 1"), "the log's last lines are shown: {err}");
+    // the data mended (another file): the failed training kept nothing (train leaves no
+    // directory after an early failure), so its settings may change; it starts afresh
+    assert!(!tmp.path().join("out/cells/outcome-s7/train").exists());
+    let good = tmp.path().join("good.jsonl");
+    write_code_qa(&good, 4, "");
+    std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace(&bad.display().to_string(), &good.display().to_string())).unwrap();
+    let o = study(&cfg, &["--only", "outcome"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("outcome-s7: train ..."), "{}", stderr(&o));
+}
+
+/// Item 10 of issue 51: every value is checked before the first cell runs (`--dry-run` too), by
+/// the subcommands' own parsers, and the error names the key.
+#[test]
+fn values_are_checked_before_anything_runs() {
+    let (_t, model) = tiny_for_agent("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let good = std::fs::read_to_string(plan(tmp.path(), &model, "")).unwrap();
+    let mut cases: Vec<(&str, String, Vec<&str>)> = vec![
+        ("invalid enum value", good.replace("reward = \"infomem\"", "reward = \"infomem_all\""), vec!["arms[1] (infomem).reward = \"infomem_all\"", "invalid value 'infomem_all' for '--reward", "[possible values: "]),
+        ("negative count", good.replace("steps = 2", "steps = -4"), vec!["train.steps = -4", "invalid value '-4' for '--steps"]),
+        ("NaN", good.replace("lr = 0.005", "lr = nan"), vec!["train.lr = nan", "--lr", "must be in (0, 1]"]),
+        ("threads", good.replace("threads = 1", "threads = 5000"), vec!["threads = 5000", "at most 1024 CPU threads"]),
+        ("empty list", good.replace("no_memory_curve = true", "no_memory_curve = true\nlengths = []"), vec!["eval.lengths", "empty list"]),
+        ("zero length", good.replace("no_memory_curve = true", "no_memory_curve = true\nlengths = [0, 100]"), vec!["eval.lengths = [0, 100]", "--lengths: 0"]),
+        ("out-of-range train value", good.replace("group_size = 3", "group_size = 1"), vec!["train.group_size = 1", "--group-size"]),
+        ("zero eval budget", good.replace("[eval]\nchunk_tokens = 40", "[eval]\nchunk_tokens = 0"), vec!["eval.chunk_tokens = 0", "--chunk-tokens must be at least 1"]),
+        ("bad matcher in a set", good.replace("name = \"held\"", "name = \"held\"\nmatch = \"exact\""), vec!["evals[0] (held).match = \"exact\"", "invalid value 'exact'"]),
+    ];
+    if !cfg!(feature = "cuda") {
+        cases.push(("cuda without CUDA", good.replace("steps = 2", "steps = 2\nbackend = \"cuda\""), vec!["train.backend = \"cuda\"", "built without CUDA support"]));
+    }
+    for (what, text, want) in cases {
+        let cfg = tmp.path().join("bad.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let o = study(&cfg, &["--dry-run"]);
+        assert_eq!(o.status.code(), Some(1), "{what}: {}", stderr(&o));
+        for w in want {
+            assert!(stderr(&o).contains(w), "{what}: want {w:?} in {}", stderr(&o));
+        }
+        assert!(!stderr(&o).contains("unexpected argument") && !stderr(&o).contains("panicked"), "{what}: {}", stderr(&o));
+    }
+    assert!(!tmp.path().join("out").exists(), "a refused study created its out directory");
+    // a train config file: checked with the flags that override it (train's own order)
+    let tc = tmp.path().join("train-config.toml");
+    std::fs::write(&tc, "lr = -1.0\nkl_coef = -2.0\n").unwrap();
+    let cfg = tmp.path().join("config.toml");
+    std::fs::write(&cfg, good.replace("steps = 2", &format!("steps = 2\nconfig = {:?}", tc.display().to_string()))).unwrap();
+    let o = study(&cfg, &["--dry-run"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("cell outcome-s7: train settings") && err.contains("--kl-coef") && err.contains("got -2"), "lr is overridden by the flag, kl_coef is not: {err}");
+    // the train config file's spelling of the matcher works as the flag's does
+    let cfg = tmp.path().join("matcher.toml");
+    std::fs::write(&cfg, good.replace("steps = 2", "steps = 2\nmatcher = \"sub-em\"")).unwrap();
+    let o = study(&cfg, &["--dry-run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("--match=sub-em"), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+/// Item 4 of issue 51: a changed setting never shows old results as new ones. A cell run with
+/// other settings is refused (naming the key, its old and new values and what to delete), in
+/// every mode; deleting what it names redoes exactly that. The report pairs only what is paired.
+#[test]
+fn changed_settings_are_refused_and_unpaired_answers_not_tested() {
+    let (_t, model) = tiny_for_agent("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = plan(tmp.path(), &model, "");
+    let out = tmp.path().join("out");
+    let good = std::fs::read_to_string(&cfg).unwrap();
+    let o = study(&cfg, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("cells/infomem-s7/settings.json")).unwrap()).unwrap();
+    assert_eq!(rec["train"]["beta"], 0.5);
+    assert_eq!(rec["train"]["steps"], 2);
+    assert_eq!(rec["train"]["save_every"], serde_json::Value::Null, "save_every does not shape a result");
+    assert!(rec["train"]["data"].as_str().unwrap().starts_with("sha256:"), "{rec}");
+    assert_eq!(rec["eval-held"]["chunk_tokens"], 40);
+    assert_eq!(rec["eval-held"]["train"], rec["train"]);
+    let adapter = out.join("cells/infomem-s7/train/adapter/adapter_model.safetensors");
+    let mtime = || std::fs::metadata(&adapter).unwrap().modified().unwrap();
+    let before = mtime();
+
+    // beta of one arm: that arm's cell, in every mode
+    std::fs::write(&cfg, good.replace("beta = 0.5", "beta = 0.7")).unwrap();
+    for mode in [&[][..], &["--dry-run"], &["--report-only"], &["--only", "outcome"]] {
+        let o = study(&cfg, mode);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{mode:?}: {err}");
+        assert!(err.contains("cells/infomem-s7 train: beta 0.5 → 0.7") && !err.contains("outcome-s7"), "{mode:?}: {err}");
+        assert!(err.contains(&format!("rm -r {}", out.join("cells/infomem-s7").display())), "{mode:?}: {err}");
+        assert!(!err.contains("skipped"), "{mode:?}: {err}");
+    }
+    assert_eq!(mtime(), before);
+    // an [eval] setting: every evaluation, the base's too, only the evaluations to delete
+    std::fs::write(&cfg, good.replace("[eval]\nchunk_tokens = 40", "[eval]\nchunk_tokens = 32")).unwrap();
+    let o = study(&cfg, &["--only", "infomem"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    for c in ["base eval-held: chunk_tokens 40 → 32", "cells/outcome-s7 eval-held: chunk_tokens 40 → 32", "cells/infomem-s7 eval-held: chunk_tokens 40 → 32"] {
+        assert!(err.contains(c), "{c}: {err}");
+    }
+    assert!(!err.contains("train:"), "{err}");
+    // the training data's content (same path)
+    let data = tmp.path().join("data.jsonl");
+    let saved = std::fs::read(&data).unwrap();
+    std::fs::write(&cfg, &good).unwrap();
+    write_code_qa(&data, 5, "");
+    let o = study(&cfg, &["--dry-run"]);
+    assert!(o.status.code() == Some(1) && stderr(&o).contains("cells/outcome-s7 train: data sha256:"), "{}", stderr(&o));
+    std::fs::write(&data, saved).unwrap();
+    // restored: everything is as it was
+    let o = study(&cfg, &[]);
+    assert!(o.status.success() && stderr(&o).matches("finished, skipped").count() == 3, "{}", stderr(&o));
+    // deleting what the refusal names redoes exactly that, under the new settings
+    std::fs::write(&cfg, good.replace("[eval]\nchunk_tokens = 40", "[eval]\nchunk_tokens = 32")).unwrap();
+    for d in ["base/eval-held", "cells/outcome-s7/eval-held", "cells/infomem-s7/eval-held"] {
+        std::fs::remove_dir_all(out.join(d)).unwrap();
+    }
+    let o = study(&cfg, &[]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(err.matches(": eval-held ...").count(), 3, "{err}");
+    assert!(!err.contains(": train"), "{err}");
+    assert_eq!(mtime(), before);
+    let rec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("base/settings.json")).unwrap()).unwrap();
+    assert_eq!(rec["eval-held"]["chunk_tokens"], 32);
+
+    // answers that are not the same questions are not paired: no test, no p-value
+    let preds = out.join("cells/infomem-s7/eval-held/predictions.jsonl");
+    let text = std::fs::read_to_string(&preds).unwrap().replace("\"id\":\"r", "\"id\":\"other-r");
+    assert!(text.contains("other-r0"), "{text}");
+    std::fs::write(&preds, text).unwrap();
+    let o = study(&cfg, &["--report-only"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();
+    let pw = &j["pairwise"][0];
+    assert_eq!(pw["per_seed"][0]["paired"], false, "{pw}");
+    assert_eq!(pw["per_seed"][0]["why"], "no paired questions: 4 and 4 questions, none in common");
+    assert!(pw["pooled"].is_null() && pw["per_seed"][0]["p"].is_null(), "{pw}");
+    let md = std::fs::read_to_string(out.join("study.md")).unwrap();
+    assert!(md.contains("s7: not paired (no paired questions") && !md.contains("p=1.0000"), "{md}");
+    assert!(md.contains("Not every run above answered the same questions"), "{md}");
+    assert_eq!(j["evals_with_different_questions"], serde_json::json!(["held"]));
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !f() {
+        assert!(t.elapsed().as_secs() < secs, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A process that is gone (or a zombie: dead, not yet reaped by its new parent).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+fn checkpoint_steps(train: &Path) -> usize {
+    infomem_engine::rl::trainer::latest_checkpoint(train)
+        .and_then(|d| d.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Item 12 and the cosmetics of issue 51: `--report-only` refuses a study that never ran and
+/// waits for the study's lock (`.study.lock`); Ctrl-C stops a study with 130; `kill -9` of a
+/// study takes its train child with it; the next run resumes the cell.
+#[cfg(target_os = "linux")]
+#[test]
+fn interrupted_and_killed_studies_leave_nothing_running() {
+    let (_t, model) = tiny_for_agent("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = plan(tmp.path(), &model, "");
+    let steps = 60;
+    std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace("steps = 2", &format!("steps = {steps}"))).unwrap();
+    let out = tmp.path().join("out");
+    let train = out.join("cells/outcome-s7/train");
+
+    let o = study(&cfg, &["--report-only"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--report-only: nothing has run in") && stderr(&o).contains("run the study first"), "{}", stderr(&o));
+    assert!(!out.exists(), "--report-only created {}", out.display());
+
+    let spawn = || bin().args(["study", "--config", cfg.to_str().unwrap(), "--only", "outcome"]).stderr(std::process::Stdio::null()).spawn().unwrap();
+    // Ctrl-C to the study alone: passed on to the cell, which saves; the study exits 130
+    let mut s = spawn();
+    wait_for("a first checkpoint", 120, || checkpoint_steps(&train) >= 1);
+    assert!(out.join(".study.lock").exists() && !out.join(".train.lock").exists());
+    // the study holds its directory: --report-only waits its turn
+    let o = study(&cfg, &["--report-only"]);
+    assert!(!o.status.success() && stderr(&o).contains("in use by another run"), "{}", stderr(&o));
+    unsafe { libc::kill(s.id() as i32, libc::SIGINT) };
+    assert_eq!(s.wait().unwrap().code(), Some(130));
+    let at = checkpoint_steps(&train);
+    assert!(at >= 1 && at < steps, "{at}");
+
+    // kill -9 of the study: its train child dies with it
+    let mut s = spawn();
+    wait_for("a newer checkpoint", 120, || checkpoint_steps(&train) > at);
+    let child: u32 = std::fs::read_to_string(train.join(".train.lock")).unwrap().trim().parse().unwrap();
+    assert!(!gone(child));
+    s.kill().unwrap();
+    s.wait().unwrap();
+    wait_for("the train child to die with the study", 5, || gone(child));
+    let at = checkpoint_steps(&train);
+    assert!(at < steps, "the run finished before the kill: make it longer");
+
+    // the next run is not refused: it resumes the cell and finishes the study
+    let o = study(&cfg, &["--only", "outcome"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("outcome-s7: train (resume)"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(train.join("metrics.jsonl")).unwrap().lines().count(), steps);
+    assert!(out.join("cells/outcome-s7/eval-held/results.json").exists());
 }

@@ -26,8 +26,14 @@ pub struct DirLock {
 /// Lock `dir` (created if missing) or fail, naming the holder's pid. `what` names the flag the
 /// directory came from, for the message.
 pub fn lock_dir(dir: &Path, what: &str) -> Result<DirLock> {
+    lock_dir_named(dir, LOCK_FILE, what)
+}
+
+/// [`lock_dir`] with another lock file name (`study` locks its directory with `.study.lock`, so
+/// the file says which kind of process holds it).
+pub fn lock_dir_named(dir: &Path, name: &str, what: &str) -> Result<DirLock> {
     std::fs::create_dir_all(dir).with_context(|| format!("{what}: cannot create {}", dir.display()))?;
-    let path = dir.join(LOCK_FILE);
+    let path = dir.join(name);
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true).write(true).create(true);
     #[cfg(unix)]
