@@ -260,7 +260,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let res = train_locked(&a, cfg, &explicit);
     if res.is_err() && created {
         // a run that failed before writing anything leaves no directory (nor lock) behind
-        let only_lock = std::fs::read_dir(&lock.path.parent().unwrap_or(Path::new("."))).map(|rd| rd.count() == 1).unwrap_or(false);
+        let only_lock = std::fs::read_dir(lock.path.parent().unwrap_or(Path::new("."))).map(|rd| rd.count() == 1).unwrap_or(false);
         if only_lock {
             let dir = lock.path.parent().map(Path::to_path_buf);
             let path = lock.path.clone();

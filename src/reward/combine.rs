@@ -67,10 +67,8 @@ pub fn zscores(xs: &[f64]) -> Vec<f64> {
         return vec![0.0; xs.len()];
     }
     // the exponent bits of `max` alone; subnormals (exponent 0) are scaled by 1
-    let scale = match f64::from_bits(max.to_bits() & 0x7ff0_0000_0000_0000) {
-        p if p == 0.0 => 1.0,
-        p => p,
-    };
+    let pow2 = f64::from_bits(max.to_bits() & 0x7ff0_0000_0000_0000);
+    let scale = if pow2 == 0.0 { 1.0 } else { pow2 };
     let ys: Vec<f64> = xs.iter().map(|x| x / scale).collect();
     let n = ys.len() as f64;
     let mu = ys.iter().sum::<f64>() / n;

@@ -317,7 +317,10 @@ impl TrainBackend for CpuBackend {
         }
         let mut v = Vec::with_capacity(n);
         // Safety: the capacity holds n f32; the caller writes every element before reading any
-        // (the trait's contract), and f32 has no invalid bit patterns to drop
+        // (the trait's contract), and f32 has no invalid bit patterns to drop. Uninitialized on
+        // purpose: zeroing a step's scratch costs a pass over it (`tests/grpo_grad.rs`
+        // `scratch_buffers_are_written_before_they_are_read` checks the contract).
+        #[allow(clippy::uninit_vec)]
         v.set_len(n);
         Ok(v.into())
     }
