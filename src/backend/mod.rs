@@ -44,6 +44,47 @@ pub mod cuda;
 use crate::model::config::ModelConfig;
 use anyhow::Result;
 
+/// How a model's weight matrices are stored: f32, or bf16 rounded once at load with f32
+/// accumulation (docs/DESIGN.md §3). The one dtype type of the library: parsed once at the
+/// command line (`--dtype`), recorded by `train`, read by both backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl Dtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// What `--dtype auto` gives for the agent's work on this machine, and why: bf16 on CUDA (its
+    /// only mode) and on a CPU with bf16 products (AMX or AVX512_BF16: 1.5-2.5x faster end to
+    /// end, docs/RESULTS.md), else f32.
+    pub fn auto(cuda: bool) -> (Dtype, &'static str) {
+        if cuda {
+            return (Dtype::Bf16, "the CUDA backend's only mode");
+        }
+        if cpu::gemm_bf16::amx_available() {
+            (Dtype::Bf16, "this CPU has AMX")
+        } else if cpu::gemm_bf16::vdp_available() {
+            (Dtype::Bf16, "this CPU has AVX512_BF16")
+        } else {
+            (Dtype::F32, "this CPU has neither AMX nor AVX512_BF16")
+        }
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Geometry of the attention and KV cache, fixed per model.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnGeom {

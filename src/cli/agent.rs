@@ -275,7 +275,7 @@ fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, 
 
 pub fn rollout(a: RolloutArgs) -> Result<()> {
     check_rollout_args(&a)?;
-    crate::with_model!(a.model, |model| rollout_on(&model, &a))
+    crate::with_model!(a.model, super::Work::Agent, |model| rollout_on(&model, &a))
 }
 
 /// Every flag that needs no model, before loading it: budgets, sampling, reward weight, and an
@@ -416,7 +416,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     };
     let res = finished()
         .and_then(|()| super::output::check_out_dir("--out", &a.out, &ins, a.overwrite, eval_output))
-        .and_then(|()| crate::with_model!(a.model, |model| eval_on(&model, &a)));
+        .and_then(|()| crate::with_model!(a.model, super::Work::Agent, |model| eval_on(&model, &a)));
     if res.is_err() && created {
         // nothing of this run is left behind: its lock, and the directory it made
         let path = lock.path.clone();

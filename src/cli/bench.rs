@@ -71,7 +71,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     super::limits::check_bench_fits(&cfg, &bench_plan(&a, shape))?;
     if a.work == Work::Train {
         // the LoRA forward + backward (TrainBackend), on either backend
-        return crate::with_model!(a.model, |model| {
+        return crate::with_model!(a.model, super::Work::Agent, |model| {
             let mut model = model;
             if model.lora.is_none() {
                 model.set_adapter(infomem_engine::rl::grpo::bench_adapter(&model.cfg))?;
@@ -83,7 +83,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             })
         });
     }
-    crate::with_model!(a.model, |model| {
+    crate::with_model!(a.model, super::Work::Agent, |model| {
         match a.work {
             Work::Score => measure(&model, &a, |s, seed| bench::run_score(&model, s, seed)),
             Work::Rollout => {
@@ -197,7 +197,10 @@ fn measure<B: Backend>(model: &Model<B>, a: &BenchArgs, run: impl Fn(BenchShape,
             "backend": model.be.name(),
             "device": if cuda { "cuda" } else { "cpu" },
             // the weights' storage, in PyTorch's names (bench_torch.py's "dtype")
-            "dtype": if cuda || a.model.dtype == Some(crate::cli::DtypeArg::Bf16) { "bfloat16" } else { "float32" },
+            "dtype": match a.model.dtype.resolve(a.model.backend, super::Work::Agent)?.0 {
+                infomem_engine::backend::Dtype::Bf16 => "bfloat16",
+                infomem_engine::backend::Dtype::F32 => "float32",
+            },
             "threads": rayon::current_num_threads(),
             "batch": shape.batch,
             "seq_len": shape.seq_len,

@@ -13,7 +13,7 @@ pub mod train;
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use infomem_engine::backend::cpu::{CpuBackend, WeightDtype};
-use infomem_engine::backend::Backend;
+use infomem_engine::backend::{Backend, Dtype};
 use infomem_engine::runtime::Model;
 use std::path::PathBuf;
 
@@ -23,31 +23,56 @@ pub enum BackendKind {
     Cuda,
 }
 
-/// How the model's weight matrices are stored (`--dtype`).
+/// `--dtype`: how the model's weight matrices are stored, or `auto` (resolved once, here at the
+/// edge, into the library's [`Dtype`] by [`DtypeArg::resolve`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DtypeArg {
-    /// f32 weights (CPU only).
+    /// bf16 for the agent's work (rollout, eval, train, bench, study) where the CPU has AMX or AVX512_BF16, and on CUDA; f32 otherwise and for the reference commands (generate, score, grpo-grad).
+    Auto,
+    /// f32 weights (CPU only): the reference path the fixture tests check.
     F32,
-    /// bf16 weights, f32 accumulation (the CUDA backend's only mode; on the CPU the vdpbf16ps kernels).
+    /// bf16 weights, f32 accumulation (the CUDA backend's only mode; on the CPU the AMX / vdpbf16ps kernels).
     Bf16,
 }
 
+/// What a command computes, for `--dtype auto`: the memory agent's work, where speed matters, or
+/// a reference command whose numbers are compared against PyTorch's f32 references.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    Agent,
+    Reference,
+}
+
 impl DtypeArg {
-    /// The CPU backend for this dtype.
-    pub fn cpu(self) -> CpuBackend {
-        match self {
-            DtypeArg::F32 => CpuBackend::with_weights(WeightDtype::F32),
-            DtypeArg::Bf16 => CpuBackend::with_weights(WeightDtype::Bf16),
-        }
+    /// The dtype to run, and why (for the line every command prints). f32 with CUDA is refused:
+    /// the CUDA backend stores weights in bf16 only.
+    pub fn resolve(self, backend: BackendKind, work: Work) -> Result<(Dtype, String)> {
+        let cuda = backend == BackendKind::Cuda;
+        Ok(match self {
+            DtypeArg::F32 if cuda => bail!("--dtype f32 is not available with --backend cuda: the CUDA backend stores weights in bf16 (use --dtype bf16 or auto)"),
+            DtypeArg::F32 => (Dtype::F32, "--dtype f32".into()),
+            DtypeArg::Bf16 => (Dtype::Bf16, "--dtype bf16".into()),
+            DtypeArg::Auto if work == Work::Reference && !cuda => (Dtype::F32, "auto: a reference command stays f32".into()),
+            DtypeArg::Auto => {
+                let (d, why) = Dtype::auto(cuda);
+                (d, format!("auto: {why}"))
+            }
+        })
     }
-    /// `--dtype` against the backend: CUDA stores weights in bf16 only.
-    pub fn check(self, backend: BackendKind) -> Result<()> {
-        if backend == BackendKind::Cuda && self == DtypeArg::F32 {
-            bail!("--dtype f32 is not available with --backend cuda: the CUDA backend stores weights in bf16 (use --dtype bf16 or leave --dtype out)");
-        }
-        Ok(())
-    }
+}
+
+/// Print the resolved dtype once, on stderr (stdout stays the command's output).
+pub fn say_dtype(d: Dtype, why: &str) {
+    eprintln!("dtype {d} ({why})");
+}
+
+/// The CPU backend for a dtype.
+pub fn cpu_backend_for(d: Dtype) -> CpuBackend {
+    CpuBackend::with_weights(match d {
+        Dtype::F32 => WeightDtype::F32,
+        Dtype::Bf16 => WeightDtype::Bf16,
+    })
 }
 
 #[derive(Args, Clone, Debug)]
@@ -61,24 +86,31 @@ pub struct ModelArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
-    /// Weight storage: f32, or bf16 (rounded once at load; products sum in f32; the residual stream, norms, LoRA masters, gradients and optimizer state stay f32: docs/DESIGN.md §3). Default: f32 on the CPU, bf16 on CUDA (its only mode).
-    #[arg(long, value_enum)]
-    pub dtype: Option<DtypeArg>,
+    /// Weight storage: f32, bf16 (rounded once at load; products sum in f32; the residual stream, norms, LoRA masters, gradients and optimizer state stay f32: docs/DESIGN.md §3), or auto. The choice is printed on stderr.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    pub dtype: DtypeArg,
 }
 
 impl ModelArgs {
     /// Load the model (and adapter) on the CPU; `--backend cuda` is refused here (commands that
     /// can run on either backend use `with_model!`).
-    pub fn load_cpu(&self) -> Result<Model<CpuBackend>> {
+    pub fn load_cpu(&self, work: Work) -> Result<Model<CpuBackend>> {
         if self.backend != BackendKind::Cpu {
             bail!("--backend cuda is not supported by this command yet (it runs on the CPU backend only)");
         }
-        self.load_on(self.cpu_backend()?)
+        self.load_on(self.cpu_backend(work)?)
     }
 
-    /// The CPU backend for `--dtype` (f32 unless bf16 is asked for).
-    pub fn cpu_backend(&self) -> Result<CpuBackend> {
-        Ok(self.dtype.unwrap_or(DtypeArg::F32).cpu())
+    /// `--dtype` resolved for this command (printed once).
+    pub fn dtype(&self, work: Work) -> Result<Dtype> {
+        let (d, why) = self.dtype.resolve(self.backend, work)?;
+        say_dtype(d, &why);
+        Ok(d)
+    }
+
+    /// The CPU backend for `--dtype`.
+    pub fn cpu_backend(&self, work: Work) -> Result<CpuBackend> {
+        Ok(cpu_backend_for(self.dtype(work)?))
     }
 
     /// Load the model (and adapter) on a given backend.
@@ -91,21 +123,20 @@ impl ModelArgs {
     }
 }
 
-/// `with_model!(args, |model| body)`: load the model on the backend chosen by `--backend` and
-/// evaluate `body` with `model: Model<B>` for that backend (generic dispatch: `body` is compiled
-/// once per backend). `--backend cuda` in a build without the `cuda` feature is a clear error.
+/// `with_model!(args, work, |model| body)`: load the model on the backend chosen by `--backend`
+/// (with `--dtype` resolved for `work`) and evaluate `body` with `model: Model<B>` for that
+/// backend (generic dispatch: `body` is compiled once per backend). `--backend cuda` in a build
+/// without the `cuda` feature is a clear error.
 #[macro_export]
 macro_rules! with_model {
-    ($args:expr, |$m:ident| $body:expr) => {
+    ($args:expr, $work:expr, |$m:ident| $body:expr) => {
         match $args.backend {
             $crate::cli::BackendKind::Cpu => {
-                let $m = $args.load_on($args.cpu_backend()?)?;
+                let $m = $args.load_on($args.cpu_backend($work)?)?;
                 $body
             }
             $crate::cli::BackendKind::Cuda => {
-                if let Some(d) = $args.dtype {
-                    d.check($crate::cli::BackendKind::Cuda)?;
-                }
+                $args.dtype($work)?;
                 #[cfg(feature = "cuda")]
                 {
                     let $m = $args.load_on(infomem_engine::backend::cuda::CudaBackend::new(0)?)?;

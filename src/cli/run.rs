@@ -119,7 +119,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if a.stop.iter().any(String::is_empty) {
         bail!("--stop: an empty string is not a stop string (it would stop after the first token)");
     }
-    crate::with_model!(a.model, |model| generate_on(&model, &a))
+    crate::with_model!(a.model, super::Work::Reference, |model| generate_on(&model, &a))
 }
 
 fn generate_on<B: Backend>(model: &Model<B>, a: &GenerateArgs) -> Result<()> {
@@ -188,7 +188,7 @@ fn generate_on<B: Backend>(model: &Model<B>, a: &GenerateArgs) -> Result<()> {
 }
 
 pub fn score(a: ScoreArgs) -> Result<()> {
-    crate::with_model!(a.model, |model| score_on(&model, &a))
+    crate::with_model!(a.model, super::Work::Reference, |model| score_on(&model, &a))
 }
 
 fn score_on<B: Backend>(model: &Model<B>, a: &ScoreArgs) -> Result<()> {

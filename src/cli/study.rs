@@ -71,9 +71,7 @@ fn check_threads(n: usize) -> Result<()> {
 /// `--backend` and `--dtype` as the subcommand checks them when it loads the model.
 fn check_backend(backend: BackendKind, dtype: Option<super::DtypeArg>) -> Result<()> {
     if backend == BackendKind::Cuda {
-        if let Some(d) = dtype {
-            d.check(backend)?;
-        }
+        dtype.unwrap_or(super::DtypeArg::Auto).resolve(backend, super::Work::Agent)?;
         if !cfg!(feature = "cuda") {
             bail!("--backend cuda: this binary was built without CUDA support (rebuild with `cargo build --release --features cuda`)");
         }
@@ -128,7 +126,7 @@ impl study::Commands for Subcommands {
                 if c.args.lengths.contains(&0) {
                     bail!("--lengths: 0 is not a length to pad to (each must be at least 1 token)");
                 }
-                check_backend(c.args.model.backend, c.args.model.dtype)?;
+                check_backend(c.args.model.backend, Some(c.args.model.dtype))?;
                 // every argument as parsed, defaults included
                 let mut m = serde_json::Map::new();
                 for arg in cmd.get_arguments() {

@@ -4,7 +4,7 @@ use super::{print_json, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use infomem_engine::model::weights::write_safetensors;
-use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::backend::Dtype;
 use infomem_engine::backend::TrainBackend;
 use infomem_engine::data::{self, ReadOptions};
 use infomem_engine::rl::grpo;
@@ -45,7 +45,7 @@ pub fn grpo_grad(a: GrpoGradArgs) -> Result<()> {
     let inputs: Vec<PathBuf> =
         [super::limits::model_files(&a.model.model), super::limits::model_files(adapter), vec![a.batch.clone()]].concat();
     super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
-    let model = a.model.load_cpu()?;
+    let model = a.model.load_cpu(super::Work::Reference)?;
     let text = std::fs::read_to_string(&a.batch).with_context(|| format!("cannot read batch file {}", a.batch.display()))?;
     let batch = grpo::parse_batch(&text, model.cfg.vocab).with_context(|| format!("batch file {}", a.batch.display()))?;
     super::limits::check_conversations_fit(&batch.conversations, model.cfg.max_position, &model.cfg.position_limit()).with_context(|| format!("batch file {}", a.batch.display()))?;
@@ -226,8 +226,9 @@ impl TrainArgs {
              save_every, keep_checkpoints, seed, lora_r, lora_alpha, lora_targets);
         if let Some(d) = self.dtype {
             c.dtype = match d {
-                super::DtypeArg::F32 => "f32".into(),
-                super::DtypeArg::Bf16 => "bf16".into(),
+                super::DtypeArg::Auto => None,
+                super::DtypeArg::F32 => Some(Dtype::F32),
+                super::DtypeArg::Bf16 => Some(Dtype::Bf16),
             };
             explicit.insert("dtype".into());
         }
@@ -246,7 +247,15 @@ impl TrainArgs {
 
 pub fn train(a: TrainArgs) -> Result<()> {
     infomem_engine::util::interrupt::install();
-    let (cfg, explicit) = a.config_and_explicit()?;
+    let (mut cfg, explicit) = a.config_and_explicit()?;
+    // `auto` (or no dtype) resolved here, once: the run records the dtype it ran with
+    let asked = match cfg.dtype {
+        None => super::DtypeArg::Auto,
+        Some(Dtype::F32) => super::DtypeArg::F32,
+        Some(Dtype::Bf16) => super::DtypeArg::Bf16,
+    };
+    let (dtype, why) = asked.resolve(a.backend, super::Work::Agent)?;
+    cfg.dtype = Some(dtype);
     if a.resume && !cfg.out.is_dir() {
         anyhow::bail!("--resume: --out {} is not a directory with a training run (no such directory)", cfg.out.display());
     }
@@ -257,7 +266,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     // one run per directory for the whole run (released when the process ends, however it ends)
     let created = !cfg.out.exists();
     let lock = infomem_engine::util::lock::lock_dir(&cfg.out, "--out")?;
-    let res = train_locked(&a, cfg, &explicit);
+    let res = train_locked(&a, cfg, &explicit, &why);
     if res.is_err() && created {
         // a run that failed before writing anything leaves no directory (nor lock) behind
         let only_lock = std::fs::read_dir(lock.path.parent().unwrap_or(Path::new("."))).map(|rd| rd.count() == 1).unwrap_or(false);
@@ -275,7 +284,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
 }
 
 /// `train` once its --out is locked.
-fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>) -> Result<()> {
+fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>, why: &str) -> Result<()> {
     if a.overwrite {
         // --overwrite deletes the previous run's files: never one the new run reads (its
         // --init-adapter taken from that run's adapter/, say)
@@ -290,17 +299,15 @@ fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>) ->
     let run_cfg = if a.resume { trainer::resume_config(&cfg, explicit)? } else { cfg.clone() };
     run_cfg.validate()?;
     let model_dir = run_cfg.model.clone().unwrap();
+    // a run saved before dtypes were recorded ran in f32
+    let dtype = run_cfg.dtype.unwrap_or(Dtype::F32);
+    super::say_dtype(dtype, if a.resume && !explicit.contains("dtype") { "the run's own, from its checkpoint" } else { why });
     match a.backend {
-        super::BackendKind::Cpu => {
-            let be = match run_cfg.dtype.as_str() {
-                "bf16" => CpuBackend::with_weights(infomem_engine::backend::cpu::WeightDtype::Bf16),
-                _ => CpuBackend::new(),
-            };
-            train_on(Model::load(&model_dir, be)?, a, cfg, &run_cfg)
-        }
+        super::BackendKind::Cpu => train_on(Model::load(&model_dir, super::cpu_backend_for(dtype))?, a, cfg, &run_cfg),
         super::BackendKind::Cuda => {
-            if run_cfg.dtype == "f32" && explicit.contains("dtype") {
-                super::DtypeArg::F32.check(super::BackendKind::Cuda)?;
+            if dtype == Dtype::F32 {
+                // a resumed f32 run cannot continue on the CUDA backend (bf16 only)
+                super::DtypeArg::F32.resolve(super::BackendKind::Cuda, super::Work::Agent)?;
             }
             #[cfg(feature = "cuda")]
             {

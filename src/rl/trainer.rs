@@ -10,7 +10,7 @@
 use super::grpo::{self, AdvNorm, Conversation, GrpoConfig, GrpoStats};
 use super::optim::{AdamW, AdamWConfig};
 use crate::agent::{self, AgentConfig, Templates, Trajectory};
-use crate::backend::TrainBackend;
+use crate::backend::{Dtype, TrainBackend};
 use crate::data::QaRecord;
 use crate::model::lora::{LoraAdapter, Proj};
 use crate::model::weights::{write_safetensors, HostTensor, SafetensorsSet};
@@ -44,9 +44,11 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Start from this PEFT adapter instead of a fresh one.
     pub init_adapter: Option<PathBuf>,
-    /// Weight storage of the base model: "f32" or "bf16" (`--dtype`); part of the run, so a
-    /// resume keeps it (gradients are bit-exact across a resume within one dtype).
-    pub dtype: String,
+    /// Weight storage of the base model (`--dtype`; `"auto"` or absent = `None`, resolved by
+    /// `train` before the run starts); part of the run, so a resume keeps it (gradients are
+    /// bit-exact across a resume within one dtype).
+    #[serde(deserialize_with = "dtype_or_auto", skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Dtype>,
     pub lora_r: usize,
     pub lora_alpha: f64,
     /// Any of q,k,v,o,gate,up,down.
@@ -92,7 +94,7 @@ impl Default for TrainConfig {
             data: None,
             out: PathBuf::from("runs/train"),
             init_adapter: None,
-            dtype: "f32".into(),
+            dtype: None,
             lora_r: 16,
             lora_alpha: 32.0,
             lora_targets: ["q", "k", "v", "o", "gate", "up", "down"].iter().map(|s| s.to_string()).collect(),
@@ -127,6 +129,16 @@ impl Default for TrainConfig {
     }
 }
 
+/// `dtype = "f32" | "bf16" | "auto"` (auto = `None`).
+fn dtype_or_auto<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<Dtype>, D::Error> {
+    match String::deserialize(d)?.as_str() {
+        "auto" => Ok(None),
+        "f32" => Ok(Some(Dtype::F32)),
+        "bf16" => Ok(Some(Dtype::Bf16)),
+        other => Err(serde::de::Error::custom(format!("dtype must be \"auto\", \"f32\" or \"bf16\", got {other:?}"))),
+    }
+}
+
 /// Upper bounds of the count-like settings: far beyond any real run, low enough that no budget
 /// arithmetic overflows (the model- and memory-dependent limits are checked where they are known).
 pub const MAX_STEPS: usize = 1_000_000_000;
@@ -150,7 +162,6 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         ensure!(self.model.is_some(), "no model: pass --model DIR (or `model = ...` in the config file)");
         ensure!(self.data.is_some(), "no training data: pass --data FILE (or `data = ...` in the config file)");
-        ensure!(matches!(self.dtype.as_str(), "f32" | "bf16"), "dtype must be \"f32\" or \"bf16\", got {:?}", self.dtype);
         // the run's config.toml records every path as text, so a path that is not UTF-8 could be
         // saved (and resumed) only changed: refused here, before the directory is touched
         let paths = [("out", Some(&self.out)), ("model", self.model.as_ref()), ("data", self.data.as_ref()), ("init_adapter", self.init_adapter.as_ref()), ("templates", self.templates.as_ref())];

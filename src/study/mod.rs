@@ -26,7 +26,8 @@ pub struct StudyConfig {
     pub model: PathBuf,
     /// The study directory: cells/, base/, study.json, study.md, the plots.
     pub out: PathBuf,
-    /// `--dtype` of every train and eval (f32 or bf16).
+    /// `--dtype` of every train and eval: auto (the default, resolved once for the machine the
+    /// study runs on), f32 or bf16.
     #[serde(default)]
     pub dtype: Option<String>,
     /// `--threads` of every subprocess.
@@ -203,8 +204,8 @@ pub fn validate(cfg: &StudyConfig, train_flags: &BTreeSet<String>, eval_flags: &
         bail!("seeds: a seed is listed twice");
     }
     if let Some(d) = &cfg.dtype {
-        if d != "f32" && d != "bf16" {
-            bail!("dtype: {d:?} is not f32 or bf16");
+        if !["auto", "f32", "bf16"].contains(&d.as_str()) {
+            bail!("dtype: {d:?} is not auto, f32 or bf16");
         }
     }
     if cfg.arms.is_empty() {
@@ -376,11 +377,20 @@ pub fn cells(cfg: &StudyConfig) -> Vec<Cell> {
     v
 }
 
-fn common_args(cfg: &StudyConfig) -> Vec<String> {
-    let mut v = Vec::new();
-    if let Some(d) = &cfg.dtype {
-        v.push(kv("dtype", d));
+/// The study's dtype: its `dtype`, or `auto` (the default) resolved once, here, for this
+/// machine, so that every cell runs, and its settings record, the same dtype.
+fn study_dtype(cfg: &StudyConfig) -> String {
+    match cfg.dtype.as_deref() {
+        Some(d) if d != "auto" => d.to_string(),
+        _ => {
+            let cuda = [&cfg.train, &cfg.eval].iter().any(|t| t.get("backend").and_then(|b| b.as_str()) == Some("cuda"));
+            crate::backend::Dtype::auto(cuda).0.name().to_string()
+        }
     }
+}
+
+fn common_args(cfg: &StudyConfig) -> Vec<String> {
+    let mut v = vec![kv("dtype", &study_dtype(cfg))];
     if let Some(t) = cfg.threads {
         v.push(kv("threads", &t.to_string()));
     }

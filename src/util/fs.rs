@@ -84,6 +84,31 @@ pub fn write_atomic_str(path: &Path, text: &str) -> Result<()> {
     write_atomic(path, text.as_bytes())
 }
 
+/// Refuse an input that is not a regular file (after symlinks): a directory would fail later
+/// with an obscure message ("No such device" from mmap), a FIFO would block the read forever,
+/// and a device such as /dev/zero would be read without end. `what` names the flag or file.
+pub fn check_regular_file(path: &Path, what: &str) -> Result<()> {
+    let m = std::fs::metadata(path).with_context(|| format!("{what} {}: cannot read it", path.display()))?;
+    if m.is_dir() {
+        bail!("{what} {}: is a directory, not a file", path.display());
+    }
+    if !m.is_file() {
+        bail!("{what} {}: is not a regular file (a pipe, socket or device); give a file", path.display());
+    }
+    Ok(())
+}
+
+/// Read a whole input text file after [`check_regular_file`], refusing one over `max_bytes`
+/// (a config or batch file that large is not one).
+pub fn read_input_text(path: &Path, what: &str, max_bytes: u64) -> Result<String> {
+    check_regular_file(path, what)?;
+    let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    if len > max_bytes {
+        bail!("{what} {}: {len} bytes, more than the {max_bytes} such a file may have", path.display());
+    }
+    std::fs::read_to_string(path).with_context(|| format!("{what} {}: cannot read it as UTF-8 text", path.display()))
+}
+
 /// `p` as an absolute path: canonical when it exists (symlinks resolved), else joined to the
 /// working directory. Saved run configurations use it so they mean the same from anywhere.
 pub fn absolute_path(p: &Path) -> PathBuf {
