@@ -72,6 +72,10 @@ fn main() {
         for cause in e.chain().skip(1) {
             eprintln!("  caused by: {cause}");
         }
+        // a script that asked for JSON gets a JSON line on failure too (its one stdout line)
+        if std::env::args_os().any(|a| a == "--json") {
+            cli::print_json(&serde_json::json!({"ok": false, "error": format!("{e:#}")}));
+        }
         std::process::exit(1);
     }
 }

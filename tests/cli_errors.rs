@@ -216,11 +216,16 @@ fn good_input_still_succeeds() {
 }
 
 /// `bench --json` names the weights' storage as bench_torch.py does (bench-compare's tables and
-/// anyone reading the raw lines rely on it): float32 by default, bfloat16 with `--dtype bf16`.
+/// anyone reading the raw lines rely on it): float32 with `--dtype f32`, bfloat16 with `--dtype
+/// bf16`, and by default (`auto`) what this CPU gets: bfloat16 with AMX or AVX512_BF16.
 #[test]
 fn bench_json_reports_the_weight_dtype() {
     let m = fixtures().join("tiny-llama");
-    for (dtype, want) in [(None, "float32"), (Some("f32"), "float32"), (Some("bf16"), "bfloat16")] {
+    let auto = match infomem_engine::backend::Dtype::auto(false).0 {
+        infomem_engine::backend::Dtype::Bf16 => "bfloat16",
+        infomem_engine::backend::Dtype::F32 => "float32",
+    };
+    for (dtype, want) in [(None, auto), (Some("auto"), auto), (Some("f32"), "float32"), (Some("bf16"), "bfloat16")] {
         let mut args = vec!["bench", "--model", s(&m), "--work", "score", "--batch", "1", "--seq-len", "8", "--score-last", "4", "--repeat", "1", "--json"];
         if let Some(d) = dtype {
             args.extend(["--dtype", d]);

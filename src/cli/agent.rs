@@ -144,6 +144,49 @@ impl AgentArgs {
     pub fn budgets(&self) -> Budgets {
         Budgets { chunk_tokens: self.chunk_tokens, memory_tokens: self.memory_tokens, answer_tokens: self.answer_tokens }
     }
+
+    /// The budgets and the batch sizes, before the model loads (a 0 was silently made 1).
+    pub fn check(&self) -> Result<()> {
+        self.budgets().check()?;
+        let max = infomem_engine::rl::trainer::MAX_TOKENS;
+        for (flag, v) in [("--batch-queries", self.batch_queries), ("--max-batch-tokens", self.max_batch_tokens)] {
+            if v == 0 || v > max {
+                bail!("{flag} must be in 1..={max} (got {v})");
+            }
+        }
+        if self.kv_tokens == Some(0) {
+            bail!("--kv-tokens must be at least 1 (got 0); leave it out to size the cache from --batch-queries and the budgets");
+        }
+        Ok(())
+    }
+}
+
+/// KV tokens one batch of `queries` rollout groups of `group` needs: every live conversation
+/// plus the shared prefixes, with page slack (the longest question's characters / 2 bound its
+/// tokens from above for the prompt's question slot).
+fn kv_need(cfg: &AgentConfig, queries: &[QaRecord]) -> usize {
+    let longest = queries.iter().map(|q| q.question.len() / 2 + 64).max().unwrap_or(64);
+    // saturating: the budgets were checked against the model's positions, but a size that
+    // overflows must stay huge rather than wrap to a small cache
+    let per_conv = (400 + longest + 2 * cfg.chunk_tokens.min(8192)).saturating_add(cfg.memory_tokens).saturating_add(cfg.answer_tokens);
+    queries.len().saturating_mul(cfg.group_size.saturating_add(3)).saturating_mul(per_conv)
+}
+
+/// `--kv-tokens`, when given, against what a batch needs (else the rollout fails mid-way with
+/// "KV cache is full") and against the memory.
+fn check_kv<B: Backend>(model: &Model<B>, a: &AgentArgs, cfg: &AgentConfig, recs: &[QaRecord]) -> Result<()> {
+    let Some(kv) = a.kv_tokens else { return Ok(()) };
+    let bq = a.batch_queries.min(recs.len()).max(1);
+    let need = recs.chunks(bq).map(|b| kv_need(cfg, b)).max().unwrap_or(0);
+    if kv < need {
+        bail!(
+            "--kv-tokens {kv}: a batch of {bq} queries × (--group-size {} + 3) conversations needs {need} tokens of KV cache; give at least that, or leave --kv-tokens out",
+            cfg.group_size
+        );
+    }
+    let c = &model.cfg;
+    let bytes = kv as u128 * (c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2) as u128;
+    limits::check_memory(bytes, &format!("--kv-tokens {kv}: the KV cache"), "lower --kv-tokens (or leave it out)")
 }
 
 /// Every file the command reads: an output must not be one of them.
@@ -203,7 +246,7 @@ pub fn run_batches<B: Backend>(
     templates: &Templates,
     label: &str,
 ) -> Result<(Vec<Vec<Trajectory>>, RolloutStats)> {
-    let bq = a.batch_queries.max(1);
+    let bq = a.batch_queries;
     let mut total_convs = 0u64;
     for &n_tok in doc_tokens {
         total_convs = total_convs.saturating_add((cfg.group_size as u64).saturating_mul(n_tok.div_ceil(cfg.chunk_tokens) as u64 + 1));
@@ -214,12 +257,7 @@ pub fn run_batches<B: Backend>(
     let mut stats = RolloutStats::default();
     let mut base = 0u64;
     for (bi, batch) in queries.chunks(bq).enumerate() {
-        // KV: every live conversation of the batch plus the shared prefixes, with page slack.
-        let longest = batch.iter().map(|q| q.question.len() / 2 + 64).max().unwrap_or(64);
-        // saturating: the budgets were checked against the model's positions, but a size that
-        // overflows must stay huge rather than wrap to a small cache
-        let per_conv = (400 + longest + 2 * cfg.chunk_tokens.min(8192)).saturating_add(cfg.memory_tokens).saturating_add(cfg.answer_tokens);
-        let need = a.kv_tokens.unwrap_or(batch.len().saturating_mul(cfg.group_size.saturating_add(3)).saturating_mul(per_conv));
+        let need = a.kv_tokens.unwrap_or_else(|| kv_need(cfg, batch));
         let mut kv = runtime::kv_for(model, need)?;
         let mut c = cfg.clone();
         c.seed = cfg.seed.wrapping_add((bi as u64) << 32);
@@ -274,14 +312,14 @@ fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, 
 }
 
 pub fn rollout(a: RolloutArgs) -> Result<()> {
-    check_rollout_args(&a)?;
+    let _out = check_rollout_args(&a)?;
     crate::with_model!(a.model, super::Work::Agent, |model| rollout_on(&model, &a))
 }
 
 /// Every flag that needs no model, before loading it: budgets, sampling, reward weight, and an
 /// --out that can be written and is not an input.
-fn check_rollout_args(a: &RolloutArgs) -> Result<()> {
-    a.agent.budgets().check()?;
+fn check_rollout_args(a: &RolloutArgs) -> Result<super::output::Reserved> {
+    a.agent.check()?;
     if a.group_size == 0 {
         bail!("--group-size must be at least 1 (got 0)");
     }
@@ -312,6 +350,7 @@ fn rollout_on<B: Backend>(model: &Model<B>, a: &RolloutArgs) -> Result<()> {
     };
     let scored = Scored { gold: cfg.answer_gain, question: cfg.query_gain };
     let docs = check_plan(model, &a.agent, &templates, &recs, scored, a.group_size)?;
+    check_kv(model, &a.agent, &cfg, &recs)?;
     let (mut groups, st) = run_batches(model, &recs, &docs, &cfg, &a.agent, &templates, "rollout")?;
     let mut out = Vec::new();
     for (g, rec) in groups.iter_mut().zip(&recs) {
@@ -392,7 +431,7 @@ const LENGTH_OVER: (usize, usize) = (5, 4);
 const LENGTH_UNDER: (usize, usize) = (9, 10);
 
 pub fn eval(a: EvalArgs) -> Result<()> {
-    a.agent.budgets().check()?;
+    a.agent.check()?;
     if a.lengths.contains(&0) {
         bail!("--lengths: 0 is not a length to pad to (each must be at least 1 token)");
     }
@@ -415,6 +454,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         Ok(())
     };
     let res = finished()
+        .and_then(|()| super::output::check_not_other_kind("--out", &a.out, infomem_engine::rl::trainer::RUN_FILES, "a training run"))
         .and_then(|()| super::output::check_out_dir("--out", &a.out, &ins, a.overwrite, eval_output))
         .and_then(|()| crate::with_model!(a.model, super::Work::Agent, |model| eval_on(&model, &a)));
     if res.is_err() && created {
@@ -500,8 +540,17 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
             }
         }
     }
+    // a question counted twice (one file given twice under other names, a copy, or a repeated
+    // id) would weigh twice in the accuracy and break the study's pairing by id
+    let mut seen = std::collections::HashMap::new();
+    for ((_, len), r) in items.iter().zip(&recs) {
+        if seen.insert((r.id.as_str(), *len), ()).is_some() {
+            bail!("record id {:?} appears twice in --data{}: each question is evaluated once; remove the repeated file or record", r.id, if a.lengths.is_empty() { String::new() } else { format!(" (at length {len})") });
+        }
+    }
     let scored = Scored { gold: cfg.answer_gain, question: cfg.query_gain };
     let docs = check_plan(model, &a.agent, &templates, &recs, scored, 1)?;
+    check_kv(model, &a.agent, &cfg, &recs)?;
     let (groups, st) = run_batches(model, &recs, &docs, &cfg, &a.agent, &templates, "eval")?;
     let evaluated: Vec<eval::Evaluated> =
         items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();

@@ -120,8 +120,13 @@ fn shape_of(a: &BenchArgs) -> Result<BenchShape> {
         Work::Train => BenchShape { batch: 8, seq_len: 512, score_last: 128, new_tokens: 0 },
         Work::Rollout => BenchShape { batch: 16, seq_len: 2048, score_last: 0, new_tokens: 512 },
     };
-    if a.repeat == 0 {
-        bail!("--repeat must be at least 1");
+    // every run's time is kept: a count past this is a typo, not a benchmark
+    const MAX_REPEAT: usize = 100_000;
+    if a.repeat == 0 || a.repeat > MAX_REPEAT {
+        bail!("--repeat must be in 1..={MAX_REPEAT} (got {})", a.repeat);
+    }
+    if a.chunks.is_some_and(|c| c > MAX_REPEAT) {
+        bail!("--chunks must be at most {MAX_REPEAT} (got {})", a.chunks.unwrap_or(0));
     }
     let shape = BenchShape {
         batch: a.batch.unwrap_or(base.batch),
@@ -154,11 +159,20 @@ fn bench_plan(a: &BenchArgs, s: BenchShape) -> super::limits::BenchPlan {
     let (b, l, n) = (s.batch as u128, s.seq_len as u128, s.new_tokens as u128);
     let what = format!("--work {} with --batch {} --seq-len {}", format!("{:?}", a.work).to_lowercase(), s.batch, s.seq_len);
     match a.work {
-        Work::Score => super::limits::BenchPlan { what, positions: l, kv_tokens: b * l, rows: b * l, kept_layers: false, logit_rows: b * s.score_last as u128 },
-        Work::Decode => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + n, kv_tokens: b * (l + n), rows: b * l, kept_layers: false, logit_rows: b },
-        Work::Train => super::limits::BenchPlan { what, positions: l, kv_tokens: 0, rows: b * l, kept_layers: true, logit_rows: b * s.score_last as u128 },
+        Work::Score => super::limits::BenchPlan { what, positions: l, kv_tokens: b * l, rows: b * l, kept_layers: false, logit_rows: b * s.score_last as u128, held_bytes: 0 },
+        Work::Decode => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + n, kv_tokens: b * (l + n), rows: b * l, kept_layers: false, logit_rows: b, held_bytes: 0 },
+        Work::Train => super::limits::BenchPlan { what, positions: l, kv_tokens: 0, rows: b * l, kept_layers: true, logit_rows: b * s.score_last as u128, held_bytes: 0 },
         // per section: the section, the memory fed after it, the new memory
-        Work::Rollout => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + 2 * n, kv_tokens: (b + 1) * (l + 2 * n), rows: l.max(2048), kept_layers: false, logit_rows: b },
+        // the sections are random ids held whole before the run (4 bytes a token)
+        Work::Rollout => super::limits::BenchPlan {
+            what: format!("{what} --new-tokens {} --chunks {}", s.new_tokens, a.chunks.unwrap_or(8)),
+            positions: l + 2 * n,
+            kv_tokens: (b + 1) * (l + 2 * n),
+            rows: l.max(2048),
+            kept_layers: false,
+            logit_rows: b,
+            held_bytes: a.chunks.unwrap_or(8) as u128 * l * 4,
+        },
     }
 }
 

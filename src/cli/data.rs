@@ -203,7 +203,7 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
     if a.filler == FillerKind::Essays {
         inputs.push(a.essays_dir.clone().unwrap_or_else(synth::default_essays_dir));
     }
-    super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
+    let _out = super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let tok = tokenizer(&a.model)?;
     let records = synth::synthesize(&cfg, tok.as_ref())?;
     data::write_jsonl(&a.out, &records)?;
@@ -334,7 +334,7 @@ fn inspect(a: InspectArgs) -> Result<()> {
 
 fn convert(a: ConvertArgs) -> Result<()> {
     let inputs: Vec<PathBuf> = std::iter::once(a.read.data.clone()).chain(a.read.model.iter().flat_map(|d| limits::model_files(d))).collect();
-    super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
+    let _out = super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let tok = tokenizer(&a.read.model)?;
     let (records, report) = read_with(&a.read, tok.as_ref())?;
     data::write_jsonl(&a.out, &records)?;

@@ -24,12 +24,8 @@ pub fn device(a: DeviceArgs) -> Result<()> {
                 }
             }
         }
-        // a script reading the JSON line gets one on failure too (and the exit status 1)
-        (Err(e), true) => {
-            print_json(&serde_json::json!({"ok": false, "error": format!("{e:#}")}));
-            return Err(e);
-        }
-        (Err(e), false) => return Err(e),
+        // (with --json, main prints the failure as a JSON line)
+        (Err(e), _) => return Err(e),
     }
     Ok(())
 }

@@ -220,7 +220,7 @@ pub fn human(bytes: u128) -> String {
 
 /// Refuse a plan that needs at least `need` bytes when less is available; `what` says what
 /// needs it and `hint` what to lower.
-fn check_memory(need: u128, what: &str, hint: &str) -> Result<()> {
+pub fn check_memory(need: u128, what: &str, hint: &str) -> Result<()> {
     if let Some(avail) = available_memory() {
         if need > avail as u128 {
             bail!("{what} need at least {} of memory, but {} is available; {hint}", human(need), human(avail as u128));
@@ -275,6 +275,8 @@ pub struct BenchPlan {
     pub kept_layers: bool,
     /// Rows of logits (vocabulary-wide) computed at once.
     pub logit_rows: u128,
+    /// Other bytes held for the whole run (rollout's sections).
+    pub held_bytes: u128,
 }
 
 /// A `bench` shape against the model's positions and the memory available, before the model
@@ -286,7 +288,7 @@ pub fn check_bench_fits(cfg: &ModelConfig, p: &BenchPlan) -> Result<()> {
     }
     let kv = p.kv_tokens * (cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2) as u128;
     let row = ((cfg.hidden + 2 * cfg.intermediate) * 4) as u128 * if p.kept_layers { cfg.n_layers as u128 } else { 1 };
-    let need = kv + p.rows * row + p.logit_rows * cfg.vocab as u128 * 4;
+    let need = kv + p.rows * row + p.logit_rows * cfg.vocab as u128 * 4 + p.held_bytes;
     check_memory(need, &format!("{}: its KV cache and activations", p.what), "lower --batch or --seq-len")
 }
 

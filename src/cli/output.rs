@@ -13,15 +13,47 @@ use std::path::{Path, PathBuf};
 /// The sentence every refusal ends with.
 const HOW: &str = "pass --overwrite to replace it, or choose another path";
 
-/// An output file: writable, not one of `inputs`, and new unless `overwrite`.
-pub fn check_out_file(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool) -> Result<()> {
+/// An output file: writable, not one of `inputs`, and new unless `overwrite`. A new output is
+/// reserved now (created empty, exclusively), so a second command started on the same path is
+/// refused at once instead of both computing and the last rename winning; the reservation is
+/// removed again if the command ends without writing it (hold the guard until the end).
+pub fn check_out_file(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool) -> Result<Reserved> {
     check_writable_file(flag, out)?;
     check_not_input(flag, out, inputs)?;
     // symlink_metadata: a dangling symlink is an existing entry too (writing replaces it)
     if !overwrite && out.symlink_metadata().is_ok() {
         bail!("{flag} {}: already exists; {HOW}", out.display());
     }
-    Ok(())
+    if overwrite {
+        return Ok(Reserved(None));
+    }
+    if let Some(dir) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("{flag} {}: cannot create {}", out.display(), dir.display()))?;
+    }
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(out) {
+        Ok(f) => {
+            use std::os::unix::fs::MetadataExt;
+            let m = f.metadata().with_context(|| format!("{flag} {}", out.display()))?;
+            Ok(Reserved(Some((out.to_path_buf(), m.dev(), m.ino()))))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => bail!("{flag} {}: already exists (another command just created it); {HOW}", out.display()),
+        Err(e) => Err(e).with_context(|| format!("{flag} {}: cannot create it", out.display())),
+    }
+}
+
+/// The empty placeholder of a new output (see [`check_out_file`]): removed on drop unless the
+/// command has written the real file over it (an atomic rename gives the path another inode).
+pub struct Reserved(Option<(PathBuf, u64, u64)>);
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        if let Some((p, dev, ino)) = &self.0 {
+            if std::fs::symlink_metadata(p).is_ok_and(|m| m.dev() == *dev && m.ino() == *ino && m.len() == 0) {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
 }
 
 /// An output directory into which the command writes the files `owns` accepts (by file name):
@@ -30,6 +62,7 @@ pub fn check_out_file(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: boo
 /// the old files.
 pub fn check_out_dir(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool, owns: fn(&str) -> bool) -> Result<()> {
     check_writable_dir(flag, out)?;
+    check_holds_no_input(flag, out, inputs)?;
     let entries = entries(flag, out)?;
     for name in entries.iter().filter(|n| owns(n)) {
         check_replaceable(flag, &out.join(name), inputs)?;
@@ -58,6 +91,25 @@ pub fn check_replaceable(flag: &str, path: &Path, inputs: &[PathBuf]) -> Result<
                 input.display()
             );
         }
+    }
+    Ok(())
+}
+
+/// Refuse an output directory that holds one of the inputs (the model directory as an eval's
+/// or a run's --out): its outputs would be mixed into an input.
+pub fn check_holds_no_input(flag: &str, out: &Path, inputs: &[PathBuf]) -> Result<()> {
+    let Ok(dir) = out.canonicalize() else { return Ok(()) };
+    if let Some(i) = inputs.iter().find(|i| i.canonicalize().is_ok_and(|i| i.starts_with(&dir))) {
+        bail!("{flag} {}: holds {}, which is also an input of this command; outputs are never written among the inputs — choose another directory", out.display(), i.display());
+    }
+    Ok(())
+}
+
+/// Refuse a directory that holds another kind of output (`names`, with `kind` for the message):
+/// a train run and an evaluation are never mixed in one directory, `--overwrite` or not.
+pub fn check_not_other_kind(flag: &str, out: &Path, names: &[&str], kind: &str) -> Result<()> {
+    if let Some(n) = names.iter().find(|n| out.join(n).symlink_metadata().is_ok()) {
+        bail!("{flag} {}: holds {kind} ({n}); runs of different kinds are never mixed in one directory — choose another", out.display());
     }
     Ok(())
 }
@@ -120,7 +172,20 @@ mod tests {
         std::fs::write(&input, "x").unwrap();
         let ins = vec![input.clone()];
         // a new file is fine; an existing one needs --overwrite; an input never
-        assert!(check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).is_ok());
+        {
+            // a new output is reserved while the guard lives, and released unwritten
+            let g = check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).unwrap();
+            let e = check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).unwrap_err().to_string();
+            assert!(e.contains("already exists"), "{e}");
+            drop(g);
+            assert!(!t.path().join("new.jsonl").exists());
+            // written over (a rename): kept
+            let g = check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).unwrap();
+            infomem_engine::util::fs::write_atomic_str(&t.path().join("new.jsonl"), "x").unwrap();
+            drop(g);
+            assert_eq!(std::fs::read_to_string(t.path().join("new.jsonl")).unwrap(), "x");
+            std::fs::remove_file(t.path().join("new.jsonl")).unwrap();
+        }
         let old = t.path().join("old.jsonl");
         std::fs::write(&old, "y").unwrap();
         let e = check_out_file("--out", &old, &ins, false).unwrap_err().to_string();

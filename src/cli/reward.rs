@@ -1,5 +1,5 @@
 //! `reward`: recombine dumped groups under any reward mode (scriptable, one JSON line per group).
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use infomem_engine::reward::{self, RewardMode};
 use std::path::PathBuf;
@@ -18,8 +18,12 @@ pub struct RewardArgs {
 }
 
 pub fn reward(a: RewardArgs) -> Result<()> {
-    anyhow::ensure!(a.beta.is_finite(), "--beta must be a finite number, got {}", a.beta);
-    let text = std::fs::read_to_string(&a.groups).with_context(|| format!("cannot read {}", a.groups.display()))?;
+    anyhow::ensure!(a.beta.is_finite(), "--beta must be a finite number, got {:e}", a.beta);
+    // a weight the mode never uses would be ignored in silence
+    if a.mode == RewardMode::Outcome && a.beta != 0.5 {
+        anyhow::bail!("--beta {} has no effect with --mode outcome (the outcome alone is the reward); leave it out", a.beta);
+    }
+    let text = infomem_engine::util::fs::read_input_text(&a.groups, "--groups", 1 << 30)?;
     let groups = reward::parse_groups(&text, &a.groups.display().to_string())?;
     if groups.is_empty() {
         anyhow::bail!("{}: no groups (expected one JSON line per group: {{\"outcomes\": [...], \"gains\": [...]}})", a.groups.display());

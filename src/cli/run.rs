@@ -132,6 +132,10 @@ fn generate_on<B: Backend>(model: &Model<B>, a: &GenerateArgs) -> Result<()> {
         model.tokenizer()?.encode_chat(&[ChatMessage::user(c)], true)?
     };
     check_len(model, "the prompt", &prompt, a.max_new_tokens, "--max-new-tokens")?;
+    if !a.stop.is_empty() && model.tokenizer.is_none() {
+        // a stop string is matched on the decoded text, which needs the tokenizer
+        model.tokenizer().map_err(|e| anyhow::anyhow!("--stop needs the model's tokenizer to match text: {e}"))?;
+    }
     let params = match (a.greedy, a.temperature) {
         (true, _) | (false, None) => SampleParams::GREEDY,
         (false, Some(t)) => {

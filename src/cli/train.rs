@@ -44,9 +44,10 @@ pub fn grpo_grad(a: GrpoGradArgs) -> Result<()> {
     // the output is checked before any work: never one of the inputs, new unless --overwrite
     let inputs: Vec<PathBuf> =
         [super::limits::model_files(&a.model.model), super::limits::model_files(adapter), vec![a.batch.clone()]].concat();
-    super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
+    let _out = super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let model = a.model.load_cpu(super::Work::Reference)?;
-    let text = std::fs::read_to_string(&a.batch).with_context(|| format!("cannot read batch file {}", a.batch.display()))?;
+    // a batch file is JSON of token ids and numbers: 1 GiB is far beyond any real one
+    let text = infomem_engine::util::fs::read_input_text(&a.batch, "--batch", 1 << 30)?;
     let batch = grpo::parse_batch(&text, model.cfg.vocab).with_context(|| format!("batch file {}", a.batch.display()))?;
     super::limits::check_conversations_fit(&batch.conversations, model.cfg.max_position, &model.cfg.position_limit()).with_context(|| format!("batch file {}", a.batch.display()))?;
     let (stats, grads) = grpo::loss_and_grads(&model, &batch.conversations, &batch.cfg)?;
@@ -211,7 +212,7 @@ impl TrainArgs {
         let mut explicit = BTreeSet::new();
         let mut c = match &self.config {
             Some(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?;
+                let text = infomem_engine::util::fs::read_input_text(p, "--config", 64 << 20)?;
                 let c = toml::from_str::<TrainConfig>(&text).with_context(|| format!("config {}", p.display()))?;
                 explicit.extend(toml::from_str::<toml::Table>(&text).with_context(|| format!("config {}", p.display()))?.keys().cloned());
                 c
@@ -285,11 +286,15 @@ pub fn train(a: TrainArgs) -> Result<()> {
 
 /// `train` once its --out is locked.
 fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>, why: &str) -> Result<()> {
-    if a.overwrite {
-        // --overwrite deletes the previous run's files: never one the new run reads (its
-        // --init-adapter taken from that run's adapter/, say)
+    if !a.resume {
+        // a fresh run's directory holds none of its inputs (the model directory as --out) and
+        // no evaluation; --overwrite deletes the previous run's files, never one the new run
+        // reads (its --init-adapter taken from that run's adapter/, say)
         let dir_files = |d: &Option<PathBuf>| d.as_deref().map(super::limits::model_files).unwrap_or_default();
         let inputs: Vec<PathBuf> = [dir_files(&cfg.model), dir_files(&cfg.init_adapter), cfg.data.iter().chain(&cfg.templates).chain(&a.config).cloned().collect()].concat();
+        super::output::check_not_other_kind("--out", &cfg.out, &["results.json", "predictions.jsonl"], "an evaluation")?;
+        let model_inputs: Vec<PathBuf> = [dir_files(&cfg.model), dir_files(&cfg.init_adapter)].concat();
+        super::output::check_holds_no_input("--out", &cfg.out, &model_inputs)?;
         for name in trainer::RUN_FILES {
             super::output::check_replaceable("--out", &cfg.out.join(name), &inputs)?;
         }

@@ -115,6 +115,8 @@ impl SafetensorsSet {
         let mut index = HashMap::new();
         for (i, path) in files.iter().enumerate() {
             stat(path)?; // a symlink loop is named as such, not as an open failure
+            // a directory, FIFO or device: a clear error, not "No such device" or a blocked open
+            crate::util::fs::check_regular_file(path, "weights file")?;
             let f = File::open(path).with_context(|| format!("cannot open weights file {}", path.display()))?;
             // Safety: the file is opened read-only; we never hand out references past the Mmap's life.
             let map = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot mmap {}", path.display()))?;

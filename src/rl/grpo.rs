@@ -341,9 +341,16 @@ fn number(v: Option<&Value>, what: &str) -> Result<f64> {
     Ok(x)
 }
 
+/// A number the loss keeps in f32: finite there too (1e308 would become inf).
+fn number_f32(v: Option<&Value>, what: &str) -> Result<f32> {
+    let x = number(v, what)?;
+    ensure!(x.abs() <= f32::MAX as f64, "{what} = {x:e} does not fit in f32 (|x| ≤ {:e}), in which the loss is computed", f32::MAX);
+    Ok(x as f32)
+}
+
 fn float_list(v: &Value, what: &str) -> Result<Vec<f32>> {
     let a = v.as_array().with_context(|| format!("{what} must be an array of numbers, got {v}"))?;
-    a.iter().enumerate().map(|(j, x)| number(Some(x), &format!("{what}[{j}]")).map(|f| f as f32)).collect()
+    a.iter().enumerate().map(|(j, x)| number_f32(Some(x), &format!("{what}[{j}]"))).collect()
 }
 
 fn id_list(v: Option<&Value>, what: &str, vocab: usize) -> Result<Vec<u32>> {
@@ -431,7 +438,7 @@ pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
             let conv = Conversation {
                 prompt: id_list(o.get("prompt"), "prompt", vocab)?,
                 response: id_list(o.get("response"), "response", vocab)?,
-                advantage: number(o.get("advantage"), "advantage")? as f32,
+                advantage: number_f32(o.get("advantage"), "advantage")?,
                 old_logprobs: opt("old_logprobs")?,
                 ref_logprobs: opt("ref_logprobs")?,
             };

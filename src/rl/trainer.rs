@@ -298,6 +298,39 @@ struct CheckpointState {
     /// when the records did not come from a file).
     #[serde(default)]
     data_sha256: Option<String>,
+    /// Fingerprints of the other files the run reads (`input_fingerprints`): checked on
+    /// `--resume` like the data (absent in older checkpoints).
+    #[serde(default)]
+    inputs: BTreeMap<String, String>,
+}
+
+/// Model files up to this size are fingerprinted by content; larger ones (the weights) by size
+/// and modification time, so that a resume does not read gigabytes to hash them.
+const HASHED_FILE_BYTES: u64 = 64 << 20;
+
+/// What the run reads besides its data, each file's fingerprint: the templates file and every
+/// file of the model directory (config, tokenizer, chat template, weights). An input edited in
+/// place would otherwise change a resumed run in silence (a new `rms_norm_eps`, new prompts).
+fn input_fingerprints(cfg: &TrainConfig) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    let mut files: Vec<(String, PathBuf)> = cfg.templates.iter().map(|p| ("templates".to_string(), p.clone())).collect();
+    if let Some(dir) = &cfg.model {
+        let mut names: Vec<PathBuf> = std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?.flatten().map(|e| e.path()).collect();
+        names.retain(|p| p.is_file() && p.extension().is_some_and(|x| x == "json" || x == "safetensors" || x == "jinja"));
+        names.sort();
+        files.extend(names.into_iter().map(|p| (format!("model/{}", p.file_name().unwrap_or_default().to_string_lossy()), p)));
+    }
+    for (key, p) in files {
+        let m = std::fs::metadata(&p).with_context(|| format!("cannot read {}", p.display()))?;
+        let fp = if m.len() <= HASHED_FILE_BYTES {
+            format!("sha256:{}", sha256_file(&p)?)
+        } else {
+            let mtime = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
+            format!("size:{} mtime_ns:{mtime}", m.len())
+        };
+        out.insert(key, fp);
+    }
+    Ok(out)
 }
 
 /// One line of `metrics.jsonl`.
@@ -370,6 +403,7 @@ pub struct Trainer<B: TrainBackend> {
     queries: Vec<QaRecord>,
     templates: Templates,
     data_sha256: Option<String>,
+    inputs: BTreeMap<String, String>,
     /// Non-finite updates skipped in a row (see MAX_NONFINITE_STEPS_IN_A_ROW).
     nonfinite_in_a_row: usize,
     /// The optimizer moments after the last good update: what a non-finite update is undone to
@@ -442,6 +476,22 @@ impl<B: TrainBackend> Trainer<B> {
                 }
             }
         }
+        let inputs = input_fingerprints(&cfg)?;
+        if let Some((dir, st)) = &resumed {
+            let changed: Vec<String> = st
+                .inputs
+                .iter()
+                .filter(|(k, v)| inputs.get(*k) != Some(*v))
+                .map(|(k, v)| format!("{k} ({v} then, {} now)", inputs.get(k).map_or("gone", |s| s.as_str())))
+                .collect();
+            if !changed.is_empty() {
+                bail!(
+                    "--resume: files the run reads changed since {} was saved: {}; resume with the files the run started with, or start a new run in another --out",
+                    dir.display(),
+                    changed.join("; ")
+                );
+            }
+        }
         let templates = match &cfg.templates {
             Some(p) => Templates::load(p)?,
             None => Templates::default(),
@@ -469,7 +519,7 @@ impl<B: TrainBackend> Trainer<B> {
             }
             None => (0, DataCursor::new(queries.len(), cfg.seed)),
         };
-        Ok(Trainer { cfg, model, opt, step, cursor, queries, templates, data_sha256, nonfinite_in_a_row: 0, good_moments: None })
+        Ok(Trainer { cfg, model, opt, step, cursor, queries, templates, data_sha256, inputs, nonfinite_in_a_row: 0, good_moments: None })
     }
 
     /// Run until `cfg.steps`. `on_step` sees every step's metrics (progress bars, logs).
@@ -719,7 +769,7 @@ impl<B: TrainBackend> Trainer<B> {
         let res = (|| -> Result<()> {
             self.model.lora.as_ref().unwrap().host.save_peft(&tmp.join("adapter"))?;
             write_safetensors(&tmp.join("optimizer.safetensors"), &self.opt.state_tensors(&self.model)?, None)?;
-            let st = CheckpointState { step: self.step, cursor: self.cursor.clone(), config: self.cfg.clone(), adam_step: self.opt.step, data_sha256: self.data_sha256.clone() };
+            let st = CheckpointState { step: self.step, cursor: self.cursor.clone(), config: self.cfg.clone(), adam_step: self.opt.step, data_sha256: self.data_sha256.clone(), inputs: self.inputs.clone() };
             crate::util::fs::write_atomic_str(&tmp.join("state.json"), &serde_json::to_string_pretty(&st)?)?;
             if final_dir.exists() {
                 std::fs::remove_dir_all(&final_dir)?;

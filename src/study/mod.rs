@@ -115,7 +115,7 @@ const SETTINGS_FILE: &str = "settings.json";
 /// lists, and every cell already on disk against the settings it was run with. A misspelt key, a
 /// bad value or a changed setting is refused here, before anything runs.
 pub fn load(path: &Path, cmds: &dyn Commands) -> Result<StudyConfig> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read study config {}", path.display()))?;
+    let text = crate::util::fs::read_input_text(path, "study config", 64 << 20)?;
     let ctx = || format!("study config {}", path.display());
     let mut cfg: StudyConfig = toml::from_str(&text).with_context(ctx)?;
     cfg.model = home(&cfg.model);
@@ -196,6 +196,9 @@ fn check_flags(table: &toml::Table, at: &str, known: &BTreeSet<String>, reserved
 pub fn validate(cfg: &StudyConfig, train_flags: &BTreeSet<String>, eval_flags: &BTreeSet<String>) -> Result<()> {
     if !cfg.model.join("config.json").exists() {
         bail!("model: {} is not a model directory (no config.json)", cfg.model.display());
+    }
+    if cfg.out.symlink_metadata().is_ok() && !cfg.out.is_dir() {
+        bail!("out: {} exists and is not a directory (a study writes a directory of cells there); choose another out", cfg.out.display());
     }
     if cfg.seeds.is_empty() {
         bail!("seeds: give at least one seed, e.g. seeds = [0, 1, 2]");
