@@ -86,10 +86,7 @@ pub(super) fn kv_copy_page(be: &CudaBackend, kv: &mut CudaKv, src: u32, dst: u32
     // The whole page (all layers): slots past n_tokens are rewritten before they are read.
     let bytes = kv.page_elems * 2;
     let base = kv.ptr();
-    unsafe {
-        cudarc::driver::result::memcpy_dtod_async(base + (dst as usize * bytes) as u64, base + (src as usize * bytes) as u64, bytes, be.stream.cu_stream())
-    }
-    .map_err(|e| be.err("KV page copy", e))
+    be.dev.dtod(base + (dst as usize * bytes) as u64, base + (src as usize * bytes) as u64, bytes)
 }
 
 pub(super) fn kv_store(be: &CudaBackend, kv: &mut CudaKv, layer: usize, qkv: &CudaBuf, slots: &[u32], g: AttnGeom) -> Result<()> {

@@ -333,7 +333,7 @@ pub(super) fn matmul_dx(be: &CudaBackend, dy: &CudaBuf, w: &CudaBuf, m: usize, n
     };
     if n == 0 {
         if !accumulate {
-            unsafe { cudarc::driver::sys::cuMemsetD8Async(dxp, 0, m * k * 4, be.stream.cu_stream()) }.result().map_err(|e| be.err("memset", e))?;
+            be.dev.memset(dxp, 0, m * k * 4)?;
         }
         return Ok(());
     }
@@ -412,8 +412,7 @@ impl CudaBackend {
     }
 
     pub(super) fn gemm(&self, g: GemmArgs) -> Result<()> {
-        let ws = self.workspace.ptr();
-        unsafe { self.gemm.run(&g, ws, self.stream.cu_stream()) }
+        self.dev.gemm(&g, self.workspace.ptr())
     }
 }
 

@@ -53,8 +53,9 @@
 //! the sampler lane by lane on the CPU.
 #![allow(clippy::too_many_arguments)] // the family functions mirror the backend traits' signatures
 
-/// Launch a kernel of `$be` by name. Arguments must be locals (their addresses are passed) whose
-/// Rust types match the kernel's C types: u64 for pointers, i32 for int, i64 for long long, f32.
+/// Launch a kernel of `$be` by name through the device seam. Arguments must be locals whose
+/// Rust types match the kernel's C types: u64 for pointers, i32 for int, i64 for long long, f32
+/// (`seam::IntoKArg`); the emulated device checks them against the entry's `.param` list.
 macro_rules! launch {
     ($be:expr, $name:expr, $grid:expr, $block:expr, $($arg:ident),* $(,)?) => {
         launch_dyn!($be, $name, $grid, $block, 0u32, $($arg),*)
@@ -66,19 +67,8 @@ macro_rules! launch {
 macro_rules! launch_dyn {
     ($be:expr, $name:expr, $grid:expr, $block:expr, $smem:expr, $($arg:ident),* $(,)?) => {{
         let name: &str = $name;
-        let f = $be.func(name)?;
-        let mut args: Vec<*mut std::ffi::c_void> = vec![$( &$arg as *const _ as *mut std::ffi::c_void ),*];
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                ($grid as u32, 1, 1),
-                ($block as u32, 1, 1),
-                $smem as u32,
-                $be.stream.cu_stream(),
-                &mut args,
-            )
-        }
-        .map_err(|e| ::anyhow::anyhow!("cuda: launching {name} failed: {e:?}"))
+        let args = [$( $crate::backend::cuda::seam::IntoKArg::karg(&$arg) ),*];
+        $be.dev.launch(name, $grid as u32, $block as u32, $smem as u32, &args)
     }};
 }
 
@@ -88,8 +78,12 @@ pub mod attention_dense;
 pub mod device;
 #[cfg(test)]
 pub(crate) mod emulate;
+pub mod emulated;
 pub mod footprint;
 pub mod gemm;
+pub mod ptx;
+mod real;
+pub mod seam;
 mod logprob;
 mod memory;
 mod norm;
