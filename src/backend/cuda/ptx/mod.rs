@@ -52,3 +52,6 @@ impl Program {
         self.index.get(name).map(|&(m, f)| (&self.modules[m], &self.modules[m].funcs[f]))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -818,8 +818,21 @@ pub fn module_globals(text: &str) -> Result<Vec<GlobalVar>> {
 }
 
 fn parse_entry(lines: &[&str], start: usize, syms: &Symbols, mod_shared: &[(String, usize, usize)], mod_extern: &Option<(String, usize)>) -> Result<(Func, usize)> {
-    let head = strip(lines[start]);
-    let name = head.split(".entry").nth(1).unwrap_or("").trim().trim_end_matches('(').trim().to_string();
+    // the signature, from `.entry name(` to its `)`, on one line or many
+    let mut sig = String::new();
+    let mut i = start;
+    while i < lines.len() {
+        sig.push_str(strip(lines[i]));
+        sig.push(' ');
+        i += 1;
+        if sig.contains(')') {
+            break;
+        }
+    }
+    let after = sig.split(".entry").nth(1).unwrap_or("");
+    let (name, rest) = after.split_once('(').with_context(|| format!("PTX line {}: entry without a parameter list", start + 1))?;
+    let name = name.trim().to_string();
+    let plist = rest.split(')').next().unwrap_or("");
     let mut f = Func {
         name: name.clone(),
         line: start as u32 + 1,
@@ -834,25 +847,17 @@ fn parse_entry(lines: &[&str], start: usize, syms: &Symbols, mod_shared: &[(Stri
         local_bytes: 0,
         unsupported: None,
     };
-    // parameters, up to ')'
-    let mut i = start + 1;
-    while i < lines.len() {
-        let l = strip(lines[i]).trim();
-        i += 1;
-        if l.starts_with(')') {
-            break;
+    for decl in plist.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let rest = decl.strip_prefix(".param").with_context(|| format!("PTX line {}: parameter {decl:?}", start + 1))?;
+        let toks: Vec<&str> = rest.split_whitespace().collect();
+        let ty = toks.first().and_then(|t| t.strip_prefix('.')).and_then(Ty::parse).with_context(|| format!("PTX line {}: parameter type in {decl:?}", start + 1))?;
+        if toks.iter().any(|t| t.contains('[')) {
+            bail!("PTX line {}: array parameters are not modelled: {decl}", start + 1);
         }
-        if let Some(rest) = l.strip_prefix(".param") {
-            let toks: Vec<&str> = rest.trim().trim_end_matches(',').split_whitespace().collect();
-            let ty = toks.first().and_then(|t| t.strip_prefix('.')).and_then(Ty::parse).with_context(|| format!("PTX line {i}: parameter type in {l:?}"))?;
-            if toks.iter().any(|t| t.contains('[')) {
-                bail!("PTX line {i}: array parameters are not modelled: {l}");
-            }
-            let pname = toks.last().unwrap().to_string();
-            let off = f.param_bytes.next_multiple_of(ty.bytes());
-            f.params.push(Param { name: pname, ty, offset: off, ptr: toks.contains(&".ptr") });
-            f.param_bytes = off + ty.bytes();
-        }
+        let pname = toks.last().unwrap().to_string();
+        let off = f.param_bytes.next_multiple_of(ty.bytes());
+        f.params.push(Param { name: pname, ty, offset: off, ptr: toks.contains(&".ptr") });
+        f.param_bytes = off + ty.bytes();
     }
     // directives up to the body's '{'
     while i < lines.len() {
