@@ -51,8 +51,10 @@ pub struct CudaBuf {
 }
 
 /// `w[row0 + o, :] += scale · Σ_j b[o, j]·a[j, :]` pending on a merged weight (`w` rows of `k`);
-/// `a`, `b` are device addresses of bf16 `[r, k]` and `[n_out, r]`.
-#[derive(Clone, Copy, Debug)]
+/// `a`, `b` address bf16 `[r, k]` and `[n_out, r]` device copies of the pair made by `lora_merge`
+/// and owned by the term (`_owned`), so the adapter may update or free its buffers afterwards
+/// without the merged weight reading freed or changed memory.
+#[derive(Clone)]
 pub(super) struct LoraTerm {
     pub(super) row0: usize,
     pub(super) a: u64,
@@ -61,6 +63,7 @@ pub(super) struct LoraTerm {
     pub(super) k: usize,
     pub(super) r: usize,
     pub(super) n_out: usize,
+    pub(super) _owned: Arc<(DevMem, DevMem)>,
 }
 
 impl CudaBuf {
@@ -108,7 +111,7 @@ impl CudaBuf {
 
 /// Kernels of each embedded module, by family, loaded by name when the backend opens (a missing
 /// one is an error then, not at first use).
-const KERNEL_NAMES: &[(&str, &[&str])] = &[
+pub(super) const KERNEL_NAMES: &[(&str, &[&str])] = &[
     super::norm::KERNELS,
     super::rope::KERNELS,
     super::swiglu::KERNELS,
@@ -123,6 +126,11 @@ const KERNEL_NAMES: &[(&str, &[&str])] = &[
 /// Whether the NVIDIA driver library loads and reports at least one device. Never panics.
 pub fn device_present() -> bool {
     super::real::device_present()
+}
+
+/// The embedded modules: (file stem, sm_90 cubin, compute_90 PTX).
+pub(crate) fn embedded_kernels() -> &'static [(&'static str, &'static [u8], &'static str)] {
+    kernels::KERNELS
 }
 
 /// nvcc's version line for the embedded kernels ("" when there are none).
@@ -403,6 +411,12 @@ impl CudaBackend {
 
     pub fn device_name(&self) -> &str {
         &self.device
+    }
+
+    /// Host copy of the whole KV pool (bf16 values as f32, layout of `attention::CudaKv`), for tests.
+    pub fn kv_download(&self, kv: &super::CudaKv) -> Result<Vec<f32>> {
+        let _op = self.enter()?;
+        Ok(self.dtoh::<u16>(kv.ptr(), kv.max_pages * kv.page_elems)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect())
     }
 
     /// What this backend runs on, for `infomem-engine device` and the GPU check's first line:

@@ -191,14 +191,35 @@ impl Device for EmuDevice {
         let esz = if g.y_bf16 { 2 } else { 4 };
         let c = s.gmem.slice_mut(g.y, span(&d.c) * esz, "gemm output C/D (y)")?;
         let inner = if d.trans_a { d.a.rows } else { d.a.cols };
-        for j in 0..d.c.cols {
-            for i in 0..d.c.rows {
-                let mut acc = 0f64;
-                for l in 0..inner {
-                    let av = if d.trans_a { bf16_at(&a, l + i * d.a.ld) } else { bf16_at(&a, i + l * d.a.ld) };
-                    let bv = if d.trans_b { bf16_at(&b, j + l * d.b.ld) } else { bf16_at(&b, l + j * d.b.ld) };
-                    acc += av * bv;
-                }
+        // op(A) as rows × inner and op(B)ᵀ as cols × inner, contiguous f32 (bf16 is exact in f32)
+        let (rows, cols) = (d.c.rows, d.c.cols);
+        let mut opa = vec![0f32; rows * inner];
+        for i in 0..rows {
+            for l in 0..inner {
+                opa[i * inner + l] = if d.trans_a { bf16_at(&a, l + i * d.a.ld) } else { bf16_at(&a, i + l * d.a.ld) } as f32;
+            }
+        }
+        let mut opbt = vec![0f32; cols * inner];
+        for j in 0..cols {
+            for l in 0..inner {
+                opbt[j * inner + l] = if d.trans_b { bf16_at(&b, j + l * d.b.ld) } else { bf16_at(&b, l + j * d.b.ld) } as f32;
+            }
+        }
+        // each output: the f64 sum of exact products, rounded once (columns in parallel)
+        let dots: Vec<f64> = {
+            use rayon::prelude::*;
+            (0..cols)
+                .into_par_iter()
+                .flat_map_iter(|j| {
+                    let bj = &opbt[j * inner..(j + 1) * inner];
+                    let opa = &opa;
+                    (0..rows).map(move |i| opa[i * inner..(i + 1) * inner].iter().zip(bj).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>())
+                })
+                .collect()
+        };
+        for j in 0..cols {
+            for i in 0..rows {
+                let acc = dots[j * rows + i];
                 let o = (i + j * d.c.ld) * esz;
                 let old = if g.beta != 0.0 {
                     if g.y_bf16 {

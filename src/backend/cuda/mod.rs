@@ -28,7 +28,7 @@
 //!   (`weight_ptr`) read the shadow of an f32 master; `write` refreshes both;
 //! - `lora_merge` is **lazy**: instead of rounding `W + scale·B·A` to bf16 (which would drop a
 //!   young adapter's delta below W's half-ulp), the merged copy keeps `W` in bf16 plus a list of
-//!   pending LoRA terms (device pointers to the pair's bf16 A and B). `matmul` applies them as
+//!   pending LoRA terms (device copies of the pair's bf16 A and B, owned by the term). `matmul` applies them as
 //!   `y += scale·(x Aᵀ) Bᵀ` in f32 (exactly the rollout's `lora` op), `matmul_dx` as
 //!   `dx += scale·(dy B) A`, `download` materializes them on the host. Any write to the buffer
 //!   (`touch`) drops the terms, and any other weight reader refuses a buffer that has some; the
@@ -79,6 +79,8 @@ pub mod device;
 #[cfg(test)]
 pub(crate) mod emulate;
 pub mod emulated;
+#[cfg(test)]
+mod emulated_kernels;
 pub mod footprint;
 pub mod gemm;
 pub mod ptx;
@@ -95,6 +97,8 @@ mod swiglu;
 pub use attention::{CudaKv, HEAD_DIMS};
 pub use device::{device_present, kernels_missing, nvcc_version, CudaBackend, CudaBuf, Dtype};
 use device::{grid_for, LoraTerm};
+#[cfg(test)]
+use device::KERNEL_NAMES as KERNEL_TABLE;
 
 use super::{AdamWStep, AttnGeom, AttnSeq, Backend, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
 use anyhow::Result;

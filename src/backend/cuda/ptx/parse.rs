@@ -269,6 +269,19 @@ pub struct Func {
     pub unsupported: Option<String>,
 }
 
+impl Func {
+    /// Float `add`/`sub`/`mul` without a rounding modifier: ptxas may still fuse such a pair
+    /// into an FMA (the PTX ISA allows it), so the emulator's separately rounded result is then
+    /// not guaranteed to be the GPU's. `.rn` forms and `fma` are fixed by the PTX itself.
+    pub fn contractible_ops(&self) -> usize {
+        self.insts.iter().filter(|i| matches!(i.op, Op::Bin { op: BinOp::Add | BinOp::Sub | BinOp::MulLo, ty: Ty::F32 | Ty::F64, rnd: Rnd::Default, .. })).count()
+    }
+    /// `fma.rn.f32` instructions (contractions nvcc made, or explicit `fmaf`).
+    pub fn f32_fmas(&self) -> usize {
+        self.insts.iter().filter(|i| matches!(i.op, Op::Fma { ty: Ty::F32, .. })).count()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct GlobalVar {
     pub name: String,

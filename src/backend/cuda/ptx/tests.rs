@@ -245,3 +245,58 @@ fn interpreter_speed_on_rmsnorm() {
     let r0 = (x[..d].iter().map(|v| v * v).sum::<f32>() / d as f32 + 1e-6).sqrt().recip();
     assert!((y[3] - half::bf16::from_f32(x[3] * r0 * w[3]).to_f32()).abs() <= 1e-2 * y[3].abs().max(1e-3), "{} vs {}", y[3], x[3] * r0 * w[3]);
 }
+
+/// `fma.rn` is one rounding of the exact a·b + c; `mul.rn` then `add.rn` round twice. With
+/// a = b = 1 + 2⁻¹² and c = −(1 + 2⁻¹¹): the exact result is 2⁻²⁴, the product alone rounds
+/// the 2⁻²⁴ away (a tie, to even).
+#[test]
+fn fma_is_fused_and_mul_add_round_twice() {
+    let body = r#"
+.visible .entry fm(.param .u64 fm_param_0)
+{
+    .reg .f32 %f<6>;
+    .reg .b64 %rd<2>;
+    ld.param.u64 %rd1, [fm_param_0];
+    mov.f32 %f1, 0f3F800800;
+    mov.f32 %f2, 0fBF801000;
+    fma.rn.f32 %f3, %f1, %f1, %f2;
+    mul.rn.f32 %f4, %f1, %f1;
+    add.rn.f32 %f5, %f4, %f2;
+    st.global.f32 [%rd1], %f3;
+    st.global.f32 [%rd1+4], %f5;
+    ret;
+}
+"#;
+    let mut g = GlobalMem::new();
+    let out = g.alloc(8);
+    run(body, 1, 1, &[KArg::Ptr(out)], &mut g).unwrap();
+    let v = read_u32(&mut g, out, 2);
+    assert_eq!(f32::from_bits(v[0]), 2f32.powi(-24), "fused");
+    assert_eq!(f32::from_bits(v[1]), 0.0, "rounded twice");
+}
+
+/// The FMA contraction policy (build.rs, NO_FMAD) as the embedded PTX shows it: the kernels that
+/// claim their CPU twin's exact operation order leave ptxas nothing to contract (every f32
+/// mul/add pinned `.rn`), so the emulator's bits are the GPU's for them; norm.cu keeps nvcc's
+/// contraction (its PTX has fused multiply-adds the twin does not, covered by its tolerance).
+#[test]
+fn fma_contraction_policy_in_the_embedded_ptx() {
+    let kernels = crate::backend::cuda::device::embedded_kernels();
+    if kernels.is_empty() {
+        println!("skipped: built without kernels");
+        return;
+    }
+    let mut g = GlobalMem::new();
+    let sources: Vec<(&str, &str)> = kernels.iter().map(|k| (k.0, k.2)).collect();
+    let p = Program::load(&sources, &mut g).unwrap();
+    let exact = ["rope_f32", "rope_bwd_f32", "qk_norm_rope_f32", "qk_norm_rope_bwd_f32_f32", "adamw_f32", "scale_f32"];
+    for name in exact {
+        let (_, f) = p.get(name).unwrap();
+        assert_eq!(f.contractible_ops(), 0, "{name}: unpinned f32 mul/add that ptxas could fuse");
+    }
+    let (_, adamw) = p.get("adamw_f32").unwrap();
+    assert_eq!(adamw.f32_fmas(), 0, "adamw_f32 claims the twin's separately rounded operations");
+    let (_, norm) = p.get("rmsnorm_f32").unwrap();
+    println!("rmsnorm_f32: {} fma.rn.f32, {} contractible", norm.f32_fmas(), norm.contractible_ops());
+    assert!(norm.f32_fmas() > 0, "norm.cu is compiled with contraction");
+}
