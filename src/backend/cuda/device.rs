@@ -129,6 +129,7 @@ pub fn device_present() -> bool {
 }
 
 /// The embedded modules: (file stem, sm_90 cubin, compute_90 PTX).
+#[cfg(test)]
 pub(crate) fn embedded_kernels() -> &'static [(&'static str, &'static [u8], &'static str)] {
     kernels::KERNELS
 }

@@ -99,7 +99,7 @@ fn alignment(ptr: u64) -> u32 {
 /// of 8 elements (16 bytes), which its tensor-core kernels need — the LoRA GEMMs have the rank
 /// as a leading dimension (`x·Aᵀ` then `·Bᵀ` with B stored `[n_out, r]`). Empty when both are.
 pub fn ld_hint(ldx: usize, ldw: usize) -> String {
-    match [ldx, ldw].into_iter().find(|ld| ld % 8 != 0) {
+    match [ldx, ldw].into_iter().find(|ld| !ld.is_multiple_of(8)) {
         Some(ld) => format!(
             ": a bf16 leading dimension of {ld} is not a multiple of 8 elements (16 bytes), which cuBLASLt's tensor-core kernels need; \
              with LoRA this is the rank — use a rank that is a multiple of 8 on the CUDA backend"

@@ -13,7 +13,7 @@
 //! Registers: `[warp][register][lane]` u64 slots, each holding its value's bits zero-extended.
 use super::float::{self, mask};
 use super::mem::{self, GlobalMem, RaceDetector, Window};
-use super::parse::{Addr, BinOp, Cmp, Func, Inst, Op, Opnd, RedOp, Rnd, ShflMode, Space, Sreg, Ty, UnOp};
+use super::ir::{Addr, BinOp, Cmp, Func, Inst, Op, Opnd, RedOp, Rnd, ShflMode, Space, Sreg, Ty, UnOp};
 use anyhow::{anyhow, bail, Result};
 
 /// What a launch needs besides the function and memory.
@@ -554,7 +554,7 @@ impl Cta<'_> {
     fn access(&mut self, inst: &Inst, w: usize, lane: usize, space: Space, addr: u64, buf: &mut [u8], write: bool, gmem: &mut GlobalMem) -> Result<()> {
         let n = buf.len();
         let what = if write { "store" } else { "load" };
-        if addr % (n as u64) != 0 && n.is_power_of_two() {
+        if !addr.is_multiple_of(n as u64) && n.is_power_of_two() {
             bail!("emulated device: {}: misaligned {n}-byte {what} at 0x{addr:x}", self.where_(inst, w, lane));
         }
         let (space, off) = match (space, mem::window(addr)) {
@@ -725,7 +725,7 @@ fn binary(op: BinOp, ty: Ty, _rnd: Rnd, x: u64, y: u64) -> Option<u64> {
                 BinOp::Div => a / b,
                 BinOp::Min => a.min(b),
                 BinOp::Max => a.max(b),
-                _ => return Some(int_binary(op, ty, x, y)?),
+                _ => return int_binary(op, ty, x, y),
             })
             .to_bits() as u64
         }
@@ -738,7 +738,7 @@ fn binary(op: BinOp, ty: Ty, _rnd: Rnd, x: u64, y: u64) -> Option<u64> {
                 BinOp::Div => a / b,
                 BinOp::Min => a.min(b),
                 BinOp::Max => a.max(b),
-                _ => return Some(int_binary(op, ty, x, y)?),
+                _ => return int_binary(op, ty, x, y),
             })
             .to_bits()
         }

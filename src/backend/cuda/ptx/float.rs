@@ -4,7 +4,7 @@
 //! once ptxas fuses them; `fma_contractible` counts those), and the approximate instructions
 //! modelled by their exact value rounded to nearest, with the ISA's error bound stated beside each:
 //! a test whose tolerance would not absorb that bound is claiming more than hardware delivers.
-use super::parse::Rnd;
+use super::ir::Rnd;
 
 /// `ex2.approx.f32`: the PTX ISA gives a maximum relative error of 2^-22 over the full range
 /// (about 2 ulp; `.ftz` flushes subnormal inputs and results to zero). Model: exact 2^x rounded.

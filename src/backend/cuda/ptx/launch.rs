@@ -7,7 +7,7 @@
 //!   227 KiB per block, static included;
 //! - every pointer argument inside a live allocation (or null).
 use super::mem::GlobalMem;
-use super::parse::{Func, Ty};
+use super::ir::{Func, Ty};
 use crate::backend::cuda::seam::KArg;
 use anyhow::{bail, Result};
 

@@ -3,7 +3,7 @@
 //! entry's CTAs on the CPU, 32-lane warps with divergence and reconvergence, every memory
 //! access checked, shared-memory races detected.
 //!
-//! One room per idea: `parse.rs` (text → decoded instructions), `mem.rs` (global allocations,
+//! One room per idea: `ir.rs` (the decoded form), `parse.rs` (text → it), `mem.rs` (global allocations,
 //! shared/local memory, the race detector), `float.rs` (rounding modes and the models of the
 //! approximate instructions, with their error bounds), `exec.rs` (warps, barriers, the
 //! instructions), `launch.rs` (launch validation).
@@ -13,6 +13,7 @@
 //! plus per-thread group state in `Cta`, and cuBLASLt lives in the emulated device, not here.
 pub mod exec;
 pub mod float;
+pub mod ir;
 pub mod launch;
 pub mod mem;
 pub mod parse;
@@ -22,7 +23,7 @@ use std::collections::HashMap;
 
 /// The loaded kernels of all modules.
 pub struct Program {
-    pub modules: Vec<parse::Module>,
+    pub modules: Vec<ir::Module>,
     /// kernel name → (module index, function index)
     index: HashMap<String, (usize, usize)>,
 }
@@ -48,7 +49,7 @@ impl Program {
         Ok(Program { modules, index })
     }
 
-    pub fn get(&self, name: &str) -> Option<(&parse::Module, &parse::Func)> {
+    pub fn get(&self, name: &str) -> Option<(&ir::Module, &ir::Func)> {
         self.index.get(name).map(|&(m, f)| (&self.modules[m], &self.modules[m].funcs[f]))
     }
 }
