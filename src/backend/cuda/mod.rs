@@ -44,8 +44,10 @@
 //! the upload when the bytes equal the previous call's: a step passes the same positions, slots
 //! and attention tables to every layer, so only the first layer pays for the copy.
 //!
-//! **Layout.** `device.rs` is the runtime (context, stream, module loading, buffers, copies,
-//! caches), `alloc.rs` the allocator, `footprint.rs` the memory plan; every other file is one op
+//! **Layout.** `device.rs` is the runtime (buffers, copies, caches) over the device seam
+//! (`seam.rs`: the `Device` trait; `real.rs` the driver + cuBLASLt, `emulated.rs` the CPU
+//! emulation running the embedded PTX in the interpreter `ptx/`), `alloc.rs` the allocator,
+//! `footprint.rs` the memory plan; every other file is one op
 //! family mirroring `kernels/<family>.cu` and `src/backend/cpu/<family>.rs` (the table in
 //! `backend/mod.rs`): it launches the family's kernels, forward and backward, and holds the
 //! family's host-side tables. `gemm.rs` wraps cuBLASLt and launches the projections. This file

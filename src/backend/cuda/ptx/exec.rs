@@ -53,6 +53,12 @@ struct Cta<'a> {
     shared: Vec<u8>,
     local: Vec<u8>,
     race: Option<RaceDetector>,
+    /// Global stores of this launch: address → (block + 1, PTX line), when races are checked.
+    /// Blocks are unordered, so a location written by one block and accessed by another in the
+    /// same launch is a race (duplicate kv_store slots, overlapping row ownership). Keyed by the
+    /// access's start address (the kernels' conflicts are whole elements); reads are not logged,
+    /// so a read followed by another block's write goes unseen.
+    global_writes: std::collections::HashMap<u64, (u32, u32)>,
     /// bar.red predicate of each waiting thread.
     bar_pred: Vec<bool>,
     stats: Stats,
@@ -73,6 +79,7 @@ pub fn run(f: &Func, l: &Launch, gmem: &mut GlobalMem) -> Result<Stats> {
         shared: vec![0; smem],
         local: vec![0; f.local_bytes * nw * 32],
         race: None,
+        global_writes: std::collections::HashMap::new(),
         bar_pred: vec![false; nw * 32],
         stats: Stats::default(),
     };
@@ -92,6 +99,16 @@ impl Cta<'_> {
     fn where_(&self, inst: &Inst, warp: usize, lane: usize) -> String {
         let src = self.l.files.get(&inst.loc.0).map(|f| format!(" ({f}:{})", inst.loc.1)).unwrap_or_default();
         format!("kernel {} ({}.ptx line {}{src}), block {}, thread {}", self.f.name, self.l.module, inst.line, self.block, warp * 32 + lane)
+    }
+
+    /// The source position (" (file:line)") of the instruction at PTX line `line`, for messages.
+    fn src_of_line(&self, line: u32) -> String {
+        self.f
+            .insts
+            .iter()
+            .find(|i| i.line == line)
+            .and_then(|i| self.l.files.get(&i.loc.0).map(|f| format!(" ({f}:{})", i.loc.1)))
+            .unwrap_or_default()
     }
 
     fn run_block(&mut self, gmem: &mut GlobalMem) -> Result<()> {
@@ -565,6 +582,18 @@ impl Cta<'_> {
         };
         match space {
             Space::Global | Space::Const => {
+                if self.l.race_check {
+                    let me = self.block + 1;
+                    let seen = if write { self.global_writes.insert(off, (me, inst.line)) } else { self.global_writes.get(&off).copied() };
+                    if let Some((other, line)) = seen.filter(|&(b, _)| b != me) {
+                        bail!(
+                            "emulated device: {}: global-memory race at 0x{off:x}: this {what} and a store by block {} at PTX line {line}{} in the same launch (blocks are unordered)",
+                            self.where_(inst, w, lane),
+                            other - 1,
+                            self.src_of_line(line)
+                        );
+                    }
+                }
                 let Some(i) = gmem.find(off, n) else {
                     bail!("emulated device: {}: out-of-bounds {n}-byte global {what} at 0x{off:x}: {}", self.where_(inst, w, lane), gmem.describe_miss(off, n));
                 };
@@ -591,11 +620,12 @@ impl Cta<'_> {
                     if let Some(race) = r.access(o, n, w, write, inst.line) {
                         let other = if race.other_warp == usize::MAX { "several other warps".to_string() } else { format!("warp {}", race.other_warp) };
                         bail!(
-                            "emulated device: {}: shared-memory race on the word at offset {}: this {what} (warp {w}) and a {} by {other} at PTX line {} with no barrier between them",
+                            "emulated device: {}: shared-memory race on the word at offset {}: this {what} (warp {w}) and a {} by {other} at PTX line {}{} with no barrier between them",
                             self.where_(inst, w, lane),
                             race.word * 4,
                             if race.other_write { "store" } else { "load" },
-                            race.other_line
+                            race.other_line,
+                            self.src_of_line(race.other_line)
                         );
                     }
                 }

@@ -300,3 +300,31 @@ fn fma_contraction_policy_in_the_embedded_ptx() {
     println!("rmsnorm_f32: {} fma.rn.f32, {} contractible", norm.f32_fmas(), norm.contractible_ops());
     assert!(norm.f32_fmas() > 0, "norm.cu is compiled with contraction");
 }
+
+/// Two blocks storing to the same element in one launch: unordered, a race (what duplicate
+/// kv_store slots would do).
+#[test]
+fn blocks_writing_one_location_race() {
+    let body = r#"
+.visible .entry clash(.param .u64 clash_param_0, .param .u32 clash_param_1)
+{
+    .reg .b32 %r<4>;
+    .reg .b64 %rd<4>;
+    ld.param.u64 %rd1, [clash_param_0];
+    ld.param.u32 %r1, [clash_param_1];
+    mov.u32 %r2, %ctaid.x;
+    rem.u32 %r3, %r2, %r1;
+    mul.wide.u32 %rd2, %r3, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    st.global.u32 [%rd3], %r2;
+    ret;
+}
+"#;
+    let mut g = GlobalMem::new();
+    let out = g.alloc(16);
+    // 4 blocks into 4 slots: fine; 4 blocks into 3 slots: blocks 0 and 3 collide
+    run(body, 4, 1, &[KArg::Ptr(out), KArg::U32(4)], &mut g).unwrap();
+    assert_eq!(read_u32(&mut g, out, 4), vec![0, 1, 2, 3]);
+    let e = run(body, 4, 1, &[KArg::Ptr(out), KArg::U32(3)], &mut g).unwrap_err().to_string();
+    assert!(e.contains("global-memory race") && e.contains("block 3") && e.contains("store by block 0"), "{e}");
+}
