@@ -171,7 +171,7 @@ impl Device for EmuDevice {
         let (m, f) = self.program.get(name).with_context(|| format!("emulated device: no kernel named {name}"))?;
         let mut s = self.lock()?;
         let params = ptx::launch::validate(f, &m.name, grid, block, dyn_smem, s.max_dyn.get(name).copied(), args, &s.gmem)?;
-        let l = ptx::exec::Launch { module: &m.name, files: &m.files, grid, block, dyn_smem, params: &params, race_check: true };
+        let l = ptx::exec::Launch { module: &m.name, files: &m.files, grid, block, dyn_smem, params: &params, race_check: true, max_thread_insts: ptx::exec::MAX_THREAD_INSTS };
         let t = Instant::now();
         let st = ptx::exec::run(f, &l, &mut s.gmem)?;
         self.nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);

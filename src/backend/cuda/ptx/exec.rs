@@ -25,7 +25,13 @@ pub struct Launch<'a> {
     pub dyn_smem: u32,
     pub params: &'a [u8],
     pub race_check: bool,
+    /// Thread-instructions after which the launch is stopped as a runaway (a loop that never
+    /// ends would otherwise hang the test that launched it).
+    pub max_thread_insts: u64,
 }
+
+/// The default runaway budget: minutes of interpretation, far above any test's launch.
+pub const MAX_THREAD_INSTS: u64 = 20_000_000_000;
 
 #[derive(Default, Clone, Copy, Debug)]
 pub struct Stats {
@@ -263,6 +269,9 @@ impl Cta<'_> {
                     }
                 };
                 self.stats.thread_insts += exec.count_ones() as u64;
+                if self.stats.thread_insts > self.l.max_thread_insts {
+                    bail!("emulated device: {}: the launch ran past {} thread-instructions (a loop that does not end?)", self.where_(inst, w, lanes(m).next().unwrap_or(0)), self.l.max_thread_insts);
+                }
                 match &inst.op {
                     Op::Bra { target, .. } => {
                         for lane in lanes(m) {

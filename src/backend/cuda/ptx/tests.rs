@@ -16,7 +16,7 @@ fn run(body: &str, grid: u32, block: u32, args: &[KArg], gmem: &mut GlobalMem) -
     let p = Program::load(&[("t", &text)], gmem)?;
     let f = &p.modules[0].funcs[0];
     let params = validate(f, "t", grid, block, 0, None, args, gmem)?;
-    let l = Launch { module: "t", files: &p.modules[0].files, grid, block, dyn_smem: 0, params: &params, race_check: true };
+    let l = Launch { module: "t", files: &p.modules[0].files, grid, block, dyn_smem: 0, params: &params, race_check: true, max_thread_insts: 1 << 24 };
     exec::run(f, &l, gmem).map(|_| ())
 }
 
@@ -327,4 +327,18 @@ fn blocks_writing_one_location_race() {
     assert_eq!(read_u32(&mut g, out, 4), vec![0, 1, 2, 3]);
     let e = run(body, 4, 1, &[KArg::Ptr(out), KArg::U32(3)], &mut g).unwrap_err().to_string();
     assert!(e.contains("global-memory race") && e.contains("block 3") && e.contains("store by block 0"), "{e}");
+}
+
+#[test]
+fn a_runaway_loop_is_stopped() {
+    let body = r#"
+.visible .entry spin()
+{
+$TOP:
+    bra.uni $TOP;
+}
+"#;
+    let mut g = GlobalMem::new();
+    let e = run(body, 1, 32, &[], &mut g).unwrap_err().to_string();
+    assert!(e.contains("kernel spin") && e.contains("thread-instructions"), "{e}");
 }
