@@ -75,13 +75,24 @@ fn main() {
 /// (name, cubin path, ptx path)
 type Built = (String, PathBuf, PathBuf);
 
+/// FMA contraction policy. nvcc's default `--fmad=true` fuses `a·b + c` into one rounding where
+/// the CPU twins round twice. Files whose kernels claim the twin's exact per-element operation
+/// order are compiled with `-fmad=false` (nvcc then emits every f32 mul/add as `.rn`, which
+/// ptxas may not fuse either); optim.cu pins its operations with `__fmul_rn`/`__fadd_rn`
+/// instead. Every other file keeps contraction (one rounding fewer; its parity test's tolerance
+/// covers it). `tools/check-kernels.sh` compiles with the same flags.
+const NO_FMAD: &[&str] = &["rope"];
+
 fn compile(nvcc: &Path, src: &Path, out: &Path) -> Result<Built, String> {
     let name = src.file_stem().unwrap().to_string_lossy().to_string();
+    let fmad: &[&str] = if NO_FMAD.contains(&name.as_str()) { &["-fmad=false"] } else { &[] };
     let cubin = out.join(format!("{name}.cubin"));
     let ptx = out.join(format!("{name}.ptx"));
     for (what, target, arch) in [("-cubin", &cubin, "-arch=sm_90"), ("-ptx", &ptx, "-arch=compute_90")] {
         let r = Command::new(nvcc)
-            .args([what, arch, "-O3", "-std=c++17", "-lineinfo", "-Ikernels", "-o"])
+            .args([what, arch, "-O3", "-std=c++17", "-lineinfo", "-Ikernels"])
+            .args(fmad)
+            .arg("-o")
             .arg(target)
             .arg(src)
             .output()

@@ -20,7 +20,10 @@ status=0
 printf '%-28s %-24s %5s %7s %7s %6s %7s\n' file kernel regs spill_st spill_ld stack smem
 for src in kernels/*.cu; do
   name="$(basename "$src" .cu)"
-  if ! "$NVCC" -cubin -arch=sm_90 -O3 -std=c++17 -Ikernels -Xptxas -v -o "$tmp/$name.cubin" "$src" >"$tmp/$name.log" 2>&1; then
+  # the FMA contraction policy of build.rs (NO_FMAD): files that claim their CPU twin's order
+  fmad=""
+  if grep -q "NO_FMAD: &\[&str\] = &\[.*\"$name\"" build.rs; then fmad="-fmad=false"; fi
+  if ! "$NVCC" -cubin -arch=sm_90 -O3 -std=c++17 -Ikernels $fmad -Xptxas -v -o "$tmp/$name.cubin" "$src" >"$tmp/$name.log" 2>&1; then
     echo "COMPILE ERROR in $src:" >&2
     cat "$tmp/$name.log" >&2
     status=1

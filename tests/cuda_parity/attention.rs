@@ -5,7 +5,7 @@ use super::*;
 /// rows (which the device splits), for every supported head_dim.
 #[test]
 fn paged_attention_mixed_batch() {
-    let be = cuda_or_skip!();
+    let be = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
     let cpu = CpuBackend::new();
     for (nh, nkv, hd) in attention_shapes(&[(14, 2, 64), (16, 2, 128), (4, 1, 16), (6, 3, 32), (9, 3, 64)]) {
         let g = AttnGeom { n_layers: 2, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
@@ -60,5 +60,56 @@ fn paged_attention_mixed_batch() {
         let dq32 = be.upload_as(&qkv, Dtype::F32).unwrap();
         be.attention(&dkv, layer, &dq32, &seqs, g, &mut dout).unwrap();
         check(&format!("attention hd{hd} (f32 q)"), &be.download(&dout).unwrap(), &want, BF16_ROUND, 1e-2 * 4.5);
+    }
+}
+
+/// kv_store alone (no tensor cores, so it runs on the emulated device too): every k and v value
+/// lands at its slot of the pool layout `[page][layer][k|v][kv_head][page_size][head_dim]`, as
+/// bf16; the call's geometry must be the cache's, and a slot may not appear twice in one call.
+#[test]
+fn kv_store_layout_and_contracts() {
+    let be = cuda_or_skip!();
+    let mut rng = Rng::new(12);
+    for (nh, nkv, hd) in [(14usize, 2usize, 64usize), (16, 8, 128), (4, 1, 16)] {
+        let g = AttnGeom { n_layers: 3, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
+        let max_pages = 5;
+        let mut kv = be.kv_new(g, max_pages).unwrap();
+        let (width, q_dim, kv_dim) = (g.qkv_dim(), g.q_dim(), g.kv_dim());
+        // ragged: 21 rows into scattered slots of pages 4, 0 and 2
+        let slots: Vec<u32> = (0..21u32).map(|i| [4u32, 0, 2][i as usize % 3] * 16 + (i * 5) % 16).collect();
+        let mut uniq = slots.clone();
+        uniq.sort();
+        uniq.dedup();
+        let slots = uniq;
+        let rows = slots.len();
+        let qkv = randn(&mut rng, rows * width, 1.0);
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let layer = 2;
+            be.kv_store(&mut kv, layer, &up(be, &qkv, dtype), &slots, g).unwrap();
+            let pool = be.kv_download(&kv).unwrap();
+            let page_elems = g.n_layers * 2 * nkv * 16 * hd;
+            for (r, &slot) in slots.iter().enumerate() {
+                let (page, s) = (slot as usize / 16, slot as usize % 16);
+                for e in 0..2 * kv_dim {
+                    let (which, h, d) = (e / kv_dim, (e % kv_dim) / hd, e % hd);
+                    let off = page * page_elems + (((layer * 2 + which) * nkv + h) * 16 + s) * hd + d;
+                    // one rounding to bf16, the same on both sides: exact equality
+                    assert_eq!(pool[off], bf(qkv[r * width + q_dim + e]), "{dtype:?} hd {hd} row {r} slot {slot} elem {e}");
+                }
+            }
+        }
+        let dq = be.upload(&qkv).unwrap();
+        let e = be.kv_store(&mut kv, 0, &dq, &[3, 9, 3], g).unwrap_err().to_string();
+        assert!(e.contains("slot 3 appears twice"), "{e}");
+        let other = AttnGeom { page_size: 8, ..g };
+        let e = be.kv_store(&mut kv, 0, &dq, &[1], other).unwrap_err().to_string();
+        assert!(e.contains("is not the KV cache's"), "{e}");
+        let other_kv = if nkv == 1 { 2 } else { 1 };
+        let e = be.kv_store(&mut kv, 0, &dq, &[1], AttnGeom { n_kv_heads: other_kv, n_heads: other_kv * (nh / nkv), ..g }).unwrap_err().to_string();
+        assert!(e.contains("is not the KV cache's"), "{e}");
+        let mut out = be.zeros(q_dim).unwrap();
+        let seq = AttnSeq { q_row: 0, n_q: 1, ctx_len: 1, pages: &[0], sampled: false };
+        let e = be.attention(&kv, 0, &dq, &[seq], AttnGeom { n_layers: 2, ..g }, &mut out).unwrap_err().to_string();
+        assert!(e.contains("is not the KV cache's"), "{e}");
     }
 }

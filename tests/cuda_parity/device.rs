@@ -6,7 +6,7 @@ use super::*;
 /// again zeroed.
 #[test]
 fn plain_allocator_matches_the_default() {
-    let be = cuda_or_skip!();
+    let be = gpu_or_skip!("opens device 0 with another allocator");
     let plain = CudaBackend::with_allocator(0, Some("plain")).unwrap();
     println!("default allocator: {}", be.alloc_mode().describe());
     assert_eq!(plain.alloc_mode().short(), "plain");

@@ -122,3 +122,32 @@ fn projections_lora_backward_and_merge() {
         assert_eq!(merged.pending_lora_terms(), 0);
     }
 }
+
+/// A lazily merged weight owns copies of its LoRA pair: freeing (or changing) the adapter's A
+/// and B after `lora_merge` does not change what the merged weight stands for (before, its
+/// terms kept raw device addresses: a use after free on the device).
+#[test]
+fn merged_weight_owns_its_lora_pair() {
+    let be = cuda_or_skip!();
+    let mut rng = Rng::new(13);
+    let (m, k, n, r, row0, n_out) = (5usize, 64usize, 48usize, 8usize, 8usize, 24usize);
+    let w = randn_bf(&mut rng, n * k, 0.05);
+    let x = randn_bf(&mut rng, m * k, 1.0);
+    let dw = be.upload(&w).unwrap();
+    let mut merged = be.zeros(n * k).unwrap();
+    be.copy(&dw, &mut merged).unwrap();
+    let (a, b) = (randn_bf(&mut rng, r * k, 0.05), randn_bf(&mut rng, n_out * r, 0.5));
+    let (mut da, db) = (be.upload(&a).unwrap(), be.upload(&b).unwrap());
+    be.lora_merge(&mut merged, row0, &da, &db, 2.0, k, r, n_out).unwrap();
+    let before = be.download(&merged).unwrap();
+    let dx = be.upload(&x).unwrap();
+    let mut y0 = be.zeros(m * n).unwrap();
+    be.matmul(&dx, &merged, None, m, k, n, &mut y0).unwrap();
+    // the adapter changes A in place, then frees both
+    be.write(&mut da, &vec![0.0; r * k]).unwrap();
+    drop((da, db));
+    assert_eq!(be.download(&merged).unwrap(), before, "the merged weight stands for the pair at merge time");
+    let mut y1 = be.zeros(m * n).unwrap();
+    be.matmul(&dx, &merged, None, m, k, n, &mut y1).unwrap();
+    assert_eq!(be.download(&y1).unwrap(), be.download(&y0).unwrap());
+}

@@ -80,16 +80,32 @@ pub(super) fn kv_new(be: &CudaBackend, geom: AttnGeom, max_pages: usize) -> Resu
     Ok(CudaKv { pool, geom, max_pages, page_elems })
 }
 
+/// The call's geometry must be the cache's: the kernels index the pool with the call's page
+/// size, layer count and kv-head count, and a different one addresses other rows of the pool.
+fn same_geometry(op: &str, kv: &CudaKv, g: &AttnGeom) -> Result<()> {
+    let k = &kv.geom;
+    ensure!(
+        (g.n_layers, g.n_kv_heads, g.head_dim, g.page_size) == (k.n_layers, k.n_kv_heads, k.head_dim, k.page_size),
+        "{op}: the call's geometry (layers {}, kv heads {}, head_dim {}, page size {}) is not the KV cache's (layers {}, kv heads {}, head_dim {}, page size {})",
+        g.n_layers,
+        g.n_kv_heads,
+        g.head_dim,
+        g.page_size,
+        k.n_layers,
+        k.n_kv_heads,
+        k.head_dim,
+        k.page_size
+    );
+    Ok(())
+}
+
 pub(super) fn kv_copy_page(be: &CudaBackend, kv: &mut CudaKv, src: u32, dst: u32, _n_tokens: usize) -> Result<()> {
     let _op = be.enter()?;
     ensure!((src as usize) < kv.max_pages && (dst as usize) < kv.max_pages, "kv_copy_page: page beyond the pool of {}", kv.max_pages);
     // The whole page (all layers): slots past n_tokens are rewritten before they are read.
     let bytes = kv.page_elems * 2;
     let base = kv.ptr();
-    unsafe {
-        cudarc::driver::result::memcpy_dtod_async(base + (dst as usize * bytes) as u64, base + (src as usize * bytes) as u64, bytes, be.stream.cu_stream())
-    }
-    .map_err(|e| be.err("KV page copy", e))
+    be.dev.dtod(base + (dst as usize * bytes) as u64, base + (src as usize * bytes) as u64, bytes)
 }
 
 pub(super) fn kv_store(be: &CudaBackend, kv: &mut CudaKv, layer: usize, qkv: &CudaBuf, slots: &[u32], g: AttnGeom) -> Result<()> {
@@ -97,9 +113,16 @@ pub(super) fn kv_store(be: &CudaBackend, kv: &mut CudaKv, layer: usize, qkv: &Cu
     if slots.is_empty() {
         return Ok(());
     }
+    same_geometry("kv_store", kv, &g)?;
     ensure!(layer < kv.geom.n_layers, "kv_store: layer {layer} of {}", kv.geom.n_layers);
     if let Some(&bad) = slots.iter().find(|&&s| s as usize / g.page_size >= kv.max_pages) {
         bail!("kv_store: slot {bad} beyond the pool of {} pages", kv.max_pages);
+    }
+    // one block per slot writes it: a slot given twice is two blocks racing on the same rows
+    let mut sorted = slots.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        bail!("kv_store: slot {} appears twice in one call (two blocks would write the same cache rows)", w[0]);
     }
     qkv.need(slots.len() * g.qkv_dim(), "kv_store", "qkv")?;
     let sp = be.meta("slots", bytemuck::cast_slice(slots))?;
@@ -116,6 +139,7 @@ pub(super) fn attention(be: &CudaBackend, kv: &CudaKv, layer: usize, qkv: &CudaB
         return Ok(());
     }
     ensure!(HEAD_DIMS.contains(&g.head_dim), "cuda attention: head_dim {} not in {:?}", g.head_dim, HEAD_DIMS);
+    same_geometry("attention", kv, &g)?;
     ensure!(layer < kv.geom.n_layers, "attention: layer {layer} of {}", kv.geom.n_layers);
     qkv.need(rows * g.qkv_dim(), "attention", "qkv")?;
     let p = plan(seqs, &g, kv.max_pages, rows, be.n_sm)?;

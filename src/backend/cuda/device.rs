@@ -4,15 +4,14 @@
 //! `alloc::Heap`), host ↔ device copies, the per-kind metadata and scratch caches, and the
 //! memory-management ops of the backend traits (upload, download, zeros, write, copy). The op
 //! launches are in the family files beside this one.
-use super::alloc::{self, AllocMode, DevMem, DeviceAlloc, Heap};
+use super::alloc::{self, AllocMode, DevMem, Heap};
 use super::attention::HEAD_DIMS;
 use super::gemm;
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use super::seam::Device;
+use anyhow::{anyhow, bail, ensure, Result};
 use half::bf16;
 use rayon::prelude::*;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 mod kernels {
@@ -52,8 +51,10 @@ pub struct CudaBuf {
 }
 
 /// `w[row0 + o, :] += scale · Σ_j b[o, j]·a[j, :]` pending on a merged weight (`w` rows of `k`);
-/// `a`, `b` are device addresses of bf16 `[r, k]` and `[n_out, r]`.
-#[derive(Clone, Copy, Debug)]
+/// `a`, `b` address bf16 `[r, k]` and `[n_out, r]` device copies of the pair made by `lora_merge`
+/// and owned by the term (`_owned`), so the adapter may update or free its buffers afterwards
+/// without the merged weight reading freed or changed memory.
+#[derive(Clone)]
 pub(super) struct LoraTerm {
     pub(super) row0: usize,
     pub(super) a: u64,
@@ -62,6 +63,7 @@ pub(super) struct LoraTerm {
     pub(super) k: usize,
     pub(super) r: usize,
     pub(super) n_out: usize,
+    pub(super) _owned: Arc<(DevMem, DevMem)>,
 }
 
 impl CudaBuf {
@@ -109,7 +111,7 @@ impl CudaBuf {
 
 /// Kernels of each embedded module, by family, loaded by name when the backend opens (a missing
 /// one is an error then, not at first use).
-const KERNEL_NAMES: &[(&str, &[&str])] = &[
+pub(super) const KERNEL_NAMES: &[(&str, &[&str])] = &[
     super::norm::KERNELS,
     super::rope::KERNELS,
     super::swiglu::KERNELS,
@@ -121,23 +123,15 @@ const KERNEL_NAMES: &[(&str, &[&str])] = &[
     super::optim::KERNELS,
 ];
 
-/// The path this process loaded a shared library from (its first mapping whose file name starts
-/// with `prefix`, from /proc/self/maps), or "not loaded".
-fn loaded_library(prefix: &str) -> String {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    maps.lines()
-        .filter_map(|l| l.split_whitespace().nth(5))
-        .find(|p| p.rsplit('/').next().is_some_and(|f| f.starts_with(prefix)))
-        .map(|p| std::fs::canonicalize(p).map(|c| if c.as_path() == std::path::Path::new(p) { p.to_string() } else { format!("{p} -> {}", c.display()) }).unwrap_or_else(|_| p.to_string()))
-        .unwrap_or_else(|| "not loaded".into())
-}
-
 /// Whether the NVIDIA driver library loads and reports at least one device. Never panics.
 pub fn device_present() -> bool {
-    if !unsafe { sys::is_culib_present() } {
-        return false;
-    }
-    matches!(CudaContext::device_count(), Ok(n) if n > 0)
+    super::real::device_present()
+}
+
+/// The embedded modules: (file stem, sm_90 cubin, compute_90 PTX).
+#[cfg(test)]
+pub(crate) fn embedded_kernels() -> &'static [(&'static str, &'static [u8], &'static str)] {
+    kernels::KERNELS
 }
 
 /// nvcc's version line for the embedded kernels ("" when there are none).
@@ -151,10 +145,10 @@ pub fn kernels_missing() -> Option<&'static str> {
 }
 
 pub struct CudaBackend {
-    pub(super) ctx: Arc<CudaContext>,
-    pub(super) stream: Arc<CudaStream>,
-    funcs: HashMap<&'static str, CudaFunction>,
-    pub(super) gemm: gemm::Gemm,
+    /// The device below the seam: the real GPU, or the emulated one (`seam.rs`).
+    pub(super) dev: Arc<dyn Device>,
+    /// Set when `dev` is the emulated device (its statistics for the tests).
+    emu: Option<Arc<super::emulated::EmuDevice>>,
     /// Device memory (declared before `workspace` and the caches only for readability: every
     /// `DevMem` holds the heap alive itself).
     pub(super) heap: Arc<Heap>,
@@ -178,57 +172,6 @@ pub(super) fn to_bf16_bits(data: &[f32]) -> Vec<u16> {
     out
 }
 
-/// The driver calls behind `device::Heap`, on the backend's one stream.
-struct CudaDriverAlloc {
-    stream: Arc<CudaStream>,
-}
-
-impl DeviceAlloc for CudaDriverAlloc {
-    fn alloc(&self, pool: bool, bytes: usize) -> std::result::Result<u64, (bool, String)> {
-        use cudarc::driver::result;
-        self.stream.context().bind_to_thread().map_err(|e| (false, format!("binding the CUDA context: {e:?}")))?;
-        let r = unsafe { if pool { result::malloc_async(self.stream.cu_stream(), bytes) } else { result::malloc_sync(bytes) } };
-        r.map_err(|e| (e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY, format!("{} of {bytes} bytes: {e:?}", if pool { "cuMemAllocAsync" } else { "cuMemAlloc" })))
-    }
-    fn free(&self, pool: bool, ptr: u64) {
-        use cudarc::driver::result;
-        // Drop cannot report an error; a failed free here means the context is already broken,
-        // which the next op reports.
-        let _ = self.stream.context().bind_to_thread();
-        let _ = unsafe { if pool { result::free_async(ptr, self.stream.cu_stream()) } else { result::free_sync(ptr) } };
-    }
-    fn sync(&self) {
-        let _ = self.stream.synchronize();
-    }
-    fn trim_pool(&self) {
-        let ctx = self.stream.context();
-        unsafe {
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().is_ok() {
-                let _ = sys::cuMemPoolTrimTo(pool, 0).result();
-            }
-        }
-    }
-}
-
-/// Try the stream-ordered pool: keep freed memory in it (release threshold "never"), then
-/// allocate, free and synchronize a 1 MiB block. Any failure says why the pool is not used.
-fn probe_pool(stream: &Arc<CudaStream>) -> std::result::Result<(), String> {
-    use cudarc::driver::result;
-    let ctx = stream.context();
-    unsafe {
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
-        let mut keep: u64 = u64::MAX;
-        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut c_void)
-            .result()
-            .map_err(|e| format!("setting the pool's release threshold: {e:?}"))?;
-        let p = result::malloc_async(stream.cu_stream(), 1 << 20).map_err(|e| format!("cuMemAllocAsync: {e:?}"))?;
-        result::free_async(p, stream.cu_stream()).map_err(|e| format!("cuMemFreeAsync: {e:?}"))?;
-    }
-    stream.synchronize().map_err(|e| format!("synchronize after the pool probe: {e:?}"))
-}
-
 pub(super) fn grid_for(n: usize, block: u32) -> u32 {
     (n.div_ceil(block as usize)).clamp(1, 1 << 20) as u32
 }
@@ -246,77 +189,52 @@ impl CudaBackend {
         if let Some(why) = kernels::MISSING {
             bail!("CUDA backend: built without kernels ({why})");
         }
-        if !unsafe { sys::is_culib_present() } {
-            bail!("no CUDA device: the NVIDIA driver library (libcuda.so) was not found");
+        let dev = super::real::RealDevice::open(ordinal, kernels::KERNELS, KERNEL_NAMES)?;
+        Self::on(Arc::new(dev), None, alloc)
+    }
+
+    /// The backend on the emulated device: every kernel's real PTX run by the interpreter on
+    /// the CPU (tests and CI without a GPU; see `emulated.rs` for what it proves).
+    pub fn emulated() -> Result<Self> {
+        if let Some(why) = kernels::MISSING {
+            bail!("CUDA backend: built without kernels ({why})");
         }
-        let n = CudaContext::device_count().map_err(|e| anyhow!("no CUDA device: cuInit/cuDeviceGetCount failed: {e:?}"))?;
-        if n <= ordinal as i32 {
-            bail!("no CUDA device: {n} device(s) visible, device {ordinal} requested");
-        }
-        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
-            bail!(
-                "cuBLASLt (libcublasLt.so.13) was not found: put CUDA 13's cuBLAS libraries on LD_LIBRARY_PATH \
-                 (e.g. a torch environment's site-packages/nvidia/cu13/lib)"
-            );
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
-        // One stream, in-order: cudarc's per-buffer event tracking is not needed.
-        unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
-        if major < 9 {
-            bail!("the CUDA kernels are built for sm_90 (Hopper); device {ordinal} is sm_{major}{minor}");
-        }
-        let stream = ctx.new_stream().map_err(|e| anyhow!("creating a stream: {e:?}"))?;
-        let device = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        let n_sm = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(132) as usize;
-        let mut funcs = HashMap::new();
+        let dev = Arc::new(super::emulated::EmuDevice::new(kernels::KERNELS)?);
         for &(module, names) in KERNEL_NAMES {
-            let &(_, cubin, ptx) = kernels::KERNELS
-                .iter()
-                .find(|k| k.0 == module)
-                .with_context(|| format!("kernels/{module}.cu is not in the build"))?;
-            // The sm_90 cubin on sm_90; the compute_90 PTX (JIT-compiled by the driver) elsewhere
-            // or if the cubin is refused.
-            let cubin_err = if (major, minor) == (9, 0) {
-                match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())) {
-                    Ok(m) => Ok(m),
-                    Err(e) => Err(format!("the sm_90 cubin was refused ({e:?})")),
-                }
-            } else {
-                Err(format!("no cubin for sm_{major}{minor} (the build has sm_90)"))
-            };
-            let m = match cubin_err {
-                Ok(m) => m,
-                Err(why) => ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| {
-                    anyhow!("loading kernels/{module}.cu on sm_{major}{minor}: {why}, and the compute_90 PTX fallback failed too ({e:?})")
-                })?,
-            };
-            for &name in names {
-                let f = m.load_function(name).map_err(|e| anyhow!("kernel {name} missing from kernels/{module}.cu: {e:?}"))?;
-                funcs.insert(name, f);
+            for name in names {
+                ensure!(dev.kernel_names().iter().any(|n| n == name), "kernel {name} missing from kernels/{module}.cu");
             }
         }
+        Self::on(dev.clone(), Some(dev), None)
+    }
+
+    /// Interpreter statistics when this backend runs on the emulated device.
+    pub fn emulator_stats(&self) -> Option<super::emulated::EmuStats> {
+        self.emu.as_ref().map(|e| e.stats())
+    }
+
+    /// Why kernel `name` cannot run on the emulated device (outside the interpreter's subset).
+    pub fn emulator_unsupported(&self, name: &str) -> Option<String> {
+        self.emu.as_ref().and_then(|e| e.unsupported(name))
+    }
+
+    fn on(dev: Arc<dyn Device>, emu: Option<Arc<super::emulated::EmuDevice>>, alloc: Option<&str>) -> Result<Self> {
         // The dense attention backward's dK/dV kernel carves its tiles from dynamic shared memory
         // (up to ~69 KiB at head_dim 128, over the 48 KiB a launch gets without asking).
         for hd in HEAD_DIMS {
             let name = format!("attn_dense_dkdv_hd{hd}");
-            let f = funcs.get(name.as_str()).with_context(|| format!("kernel {name} missing"))?;
-            let bytes = super::attention_dense::dkdv_smem_bytes(hd) as i32;
-            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
-                .map_err(|e| anyhow!("cuda: allowing {bytes} bytes of dynamic shared memory for {name}: {e:?}"))?;
+            let bytes = super::attention_dense::dkdv_smem_bytes(hd) as u32;
+            dev.set_max_dynamic_smem(&name, bytes)?;
         }
         // the allocator: the stream-ordered pool where it works, plain allocations otherwise
-        let pools = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).map(|v| v > 0).unwrap_or(false);
-        let mode = alloc::choose_mode(alloc, pools, || probe_pool(&stream))?;
-        let heap = Heap::new(mode, Box::new(CudaDriverAlloc { stream: stream.clone() }));
-        let gemm = gemm::Gemm::new()?;
+        let mode = alloc::choose_mode(alloc, dev.pools_supported(), || dev.probe_pool())?;
+        let heap = Heap::new(mode, dev.allocator());
         let workspace = heap.alloc(gemm::WORKSPACE_BYTES).map_err(|e| anyhow!("cuda: allocating the cuBLASLt workspace: {e}"))?;
+        let (n_sm, device) = (dev.sm_count(), dev.name());
         Ok(CudaBackend {
-            ctx,
-            stream,
+            dev,
+            emu,
             heap,
-            funcs,
-            gemm,
             workspace,
             meta: Mutex::new(HashMap::new()),
             scratch: Mutex::new(HashMap::new()),
@@ -330,16 +248,8 @@ impl CudaBackend {
     /// on the calling thread (the raw driver / cuBLASLt calls below do not bind it themselves).
     pub(super) fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
         let g = self.op.lock().unwrap_or_else(|e| e.into_inner());
-        self.ctx.bind_to_thread().map_err(|e| self.err("binding the CUDA context (or an earlier asynchronous error)", e))?;
+        self.dev.bind()?;
         Ok(g)
-    }
-
-    pub(super) fn func(&self, name: &str) -> Result<&CudaFunction> {
-        self.funcs.get(name).with_context(|| format!("cuda: no kernel named {name}"))
-    }
-
-    pub(super) fn err(&self, what: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
-        anyhow!("cuda: {what} failed: {e:?}")
     }
 
     pub(super) fn alloc(&self, bytes: usize) -> Result<DevMem> {
@@ -349,7 +259,7 @@ impl CudaBackend {
     /// `alloc` with every byte zero (in stream order).
     pub(super) fn alloc_zeroed(&self, bytes: usize) -> Result<DevMem> {
         let m = self.alloc(bytes)?;
-        unsafe { cudarc::driver::result::memset_d8_async(m.ptr(), 0, bytes, self.stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
+        self.dev.memset(m.ptr(), 0, bytes)?;
         Ok(m)
     }
 
@@ -383,7 +293,7 @@ impl CudaBackend {
             return Ok(());
         }
         ensure!(bytes.len() <= dst.len(), "cuda: copying {} bytes into a device buffer of {}", bytes.len(), dst.len());
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr(), bytes, self.stream.cu_stream()) }.map_err(|e| self.err("host → device copy", e))
+        self.dev.htod(bytes, dst.ptr())
     }
 
     /// A device copy of small host data, cached per `kind` by content (see the module comment).
@@ -419,16 +329,13 @@ impl CudaBackend {
     }
 
     pub(super) fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| self.err("stream synchronize (an earlier kernel may have failed)", e))
+        self.dev.synchronize()
     }
 
     /// Copy `n` elements of `T` to the host (synchronizes the stream).
     pub(super) fn dtoh<T: bytemuck::Pod>(&self, ptr: u64, n: usize) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); n];
-        if n > 0 {
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream()) }.map_err(|e| self.err("device → host copy", e))?;
-        }
-        self.sync()?;
+        self.dev.dtoh(ptr, bytemuck::cast_slice_mut(&mut out))?;
         Ok(out)
     }
 
@@ -507,24 +414,21 @@ impl CudaBackend {
         &self.device
     }
 
+    /// Host copy of the whole KV pool (bf16 values as f32, layout of `attention::CudaKv`), for tests.
+    pub fn kv_download(&self, kv: &super::CudaKv) -> Result<Vec<f32>> {
+        let _op = self.enter()?;
+        Ok(self.dtoh::<u16>(kv.ptr(), kv.max_pages * kv.page_elems)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect())
+    }
+
     /// What this backend runs on, for `infomem-engine device` and the GPU check's first line:
     /// device, driver, the libraries loaded (and from where), memory, allocator, kernels.
     pub fn report(&self) -> Result<serde_json::Value> {
         let _op = self.enter()?;
-        let mut driver = 0i32;
-        unsafe { sys::cuDriverGetVersion(&mut driver) }.result().map_err(|e| anyhow!("cuDriverGetVersion: {e:?}"))?;
-        let (major, minor) = self.ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?;
         let m = self.mem_info()?;
         let gib = |b: usize| (b as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0;
-        let lt = unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() };
-        Ok(serde_json::json!({
+        let mut r = serde_json::json!({
             "device": self.device,
-            "compute_capability": format!("{major}.{minor}"),
             "multiprocessors": self.n_sm,
-            "driver_cuda_version": format!("{}.{}", driver / 1000, (driver % 1000) / 10),
-            "cublaslt_version": format!("{}.{}.{}", lt / 10000, (lt / 100) % 100, lt % 100),
-            "libcuda": loaded_library("libcuda.so"),
-            "libcublasLt": loaded_library("libcublasLt.so"),
             "memory_total_gib": gib(m.total),
             "memory_free_gib": gib(m.free),
             "allocator": self.heap.mode().short(),
@@ -532,7 +436,11 @@ impl CudaBackend {
             "kernels_nvcc": kernels::NVCC_VERSION,
             "kernel_modules": KERNEL_NAMES.len(),
             "kernels": KERNEL_NAMES.iter().map(|(_, n)| n.len()).sum::<usize>(),
-        }))
+        });
+        if let (Some(o), serde_json::Value::Object(d)) = (r.as_object_mut(), self.dev.report()?) {
+            o.extend(d);
+        }
+        Ok(r)
     }
 
 }
@@ -549,8 +457,7 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        let _ = self.stream.synchronize();
-        let _ = &self.ctx;
+        let _ = self.dev.synchronize();
     }
 }
 
@@ -617,7 +524,7 @@ pub(super) fn copy(be: &CudaBackend, src: &CudaBuf, dst: &mut CudaBuf) -> Result
     ensure!(dst.mem.len() >= bytes, "copy: {bytes} bytes into a buffer of {} bytes", dst.mem.len());
     dst.touch();
     if bytes > 0 {
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, be.stream.cu_stream()) }.map_err(|e| be.err("device copy", e))?;
+        be.dev.dtod(dst.ptr(), src.ptr(), bytes)?;
     }
     dst.dtype = src.dtype;
     // the copy stands for the same value: same pending LoRA terms, and an f32 parameter's
@@ -625,7 +532,7 @@ pub(super) fn copy(be: &CudaBackend, src: &CudaBuf, dst: &mut CudaBuf) -> Result
     dst.terms = src.terms.clone();
     if let Some(sh) = &src.shadow {
         let s2 = be.alloc(src.len * 2)?;
-        unsafe { cudarc::driver::result::memcpy_dtod_async(s2.ptr(), sh.ptr(), src.len * 2, be.stream.cu_stream()) }.map_err(|e| be.err("device copy", e))?;
+        be.dev.dtod(s2.ptr(), sh.ptr(), src.len * 2)?;
         dst.shadow = Some(s2);
     }
     Ok(())

@@ -23,9 +23,7 @@
 use super::alloc::AllocMode;
 use super::CudaBackend;
 use crate::model::config::ModelConfig;
-use anyhow::{anyhow, bail, Result};
-use cudarc::driver::sys;
-use std::ffi::c_void;
+use anyhow::{bail, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
 /// Headroom over the modelled footprint (allocator granularity, cuBLASLt, fragmentation).
@@ -53,23 +51,8 @@ impl MemInfo {
 
 impl CudaBackend {
     pub fn mem_info(&self) -> Result<MemInfo> {
-        self.ctx.bind_to_thread().map_err(|e| anyhow!("cuda: binding the context: {e:?}"))?;
-        let (free, total) = self.ctx.mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))?;
-        let mut info = MemInfo { free, total, cached: self.heap.cached_bytes(), live: self.heap.live_bytes() };
-        if *self.heap.mode() == AllocMode::Pool {
-            unsafe {
-                let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-                if sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()).result().is_ok() {
-                    let get = |attr: sys::CUmemPool_attribute| {
-                        let mut v: u64 = 0;
-                        sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut c_void).result().map(|_| v as usize).unwrap_or(0)
-                    };
-                    let reserved = get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-                    let used = get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
-                    info.cached = reserved.saturating_sub(used);
-                }
-            }
-        }
+        let d = self.dev.mem_info(*self.heap.mode() == AllocMode::Pool)?;
+        let info = MemInfo { free: d.free, total: d.total, cached: d.pool_cached.unwrap_or_else(|| self.heap.cached_bytes()), live: self.heap.live_bytes() };
         Ok(info)
     }
 

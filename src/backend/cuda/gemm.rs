@@ -95,6 +95,19 @@ fn alignment(ptr: u64) -> u32 {
     (1u64 << ptr.trailing_zeros().min(8)) as u32
 }
 
+/// Why cuBLASLt may find no algorithm: a bf16 operand whose leading dimension is not a multiple
+/// of 8 elements (16 bytes), which its tensor-core kernels need — the LoRA GEMMs have the rank
+/// as a leading dimension (`x·Aᵀ` then `·Bᵀ` with B stored `[n_out, r]`). Empty when both are.
+pub fn ld_hint(ldx: usize, ldw: usize) -> String {
+    match [ldx, ldw].into_iter().find(|ld| !ld.is_multiple_of(8)) {
+        Some(ld) => format!(
+            ": a bf16 leading dimension of {ld} is not a multiple of 8 elements (16 bytes), which cuBLASLt's tensor-core kernels need; \
+             with LoRA this is the rank — use a rank that is a multiple of 8 on the CUDA backend"
+        ),
+        None => String::new(),
+    }
+}
+
 /// The operands of one GEMM (device pointers; see the module comment for the shapes).
 pub struct GemmArgs {
     pub m: usize,
@@ -250,7 +263,7 @@ impl Gemm {
             )?;
             if count == 0 {
                 bail!(
-                    "cuBLASLt has no algorithm for m {} n {} k {} (ld {} {} {}, x{} w{}, alignments {:?}, y {})",
+                    "cuBLASLt has no algorithm for m {} n {} k {} (ld {} {} {}, x{} w{}, alignments {:?}, y {}){}",
                     key.m,
                     key.n,
                     key.k,
@@ -260,7 +273,8 @@ impl Gemm {
                     if key.xt { "ᵀ" } else { "" },
                     if key.wt { "ᵀ" } else { "" },
                     key.align,
-                    if key.y_bf16 { "bf16" } else { "f32" }
+                    if key.y_bf16 { "bf16" } else { "f32" },
+                    ld_hint(key.ldx, key.ldw)
                 );
             }
             Ok(res.algo)
@@ -333,7 +347,7 @@ pub(super) fn matmul_dx(be: &CudaBackend, dy: &CudaBuf, w: &CudaBuf, m: usize, n
     };
     if n == 0 {
         if !accumulate {
-            unsafe { cudarc::driver::sys::cuMemsetD8Async(dxp, 0, m * k * 4, be.stream.cu_stream()) }.result().map_err(|e| be.err("memset", e))?;
+            be.dev.memset(dxp, 0, m * k * 4)?;
         }
         return Ok(());
     }
@@ -394,8 +408,13 @@ pub(super) fn lora_merge(be: &CudaBackend, w: &mut CudaBuf, row0: usize, a: &Cud
     let ap = be.weight_ptr(a, r * k, "lora_merge", "A")?;
     let bp = be.weight_ptr(b, n_out * r, "lora_merge", "B")?;
     if n_out > 0 && r > 0 {
-        // lazy: matmul / matmul_dx / download apply it (module doc)
-        w.terms.push(LoraTerm { row0, a: ap, b: bp, scale, k, r, n_out });
+        // lazy: matmul / matmul_dx / download apply it (module doc), from copies of A and B
+        // that the term owns (device.rs, LoraTerm)
+        let (ca, cb) = (be.alloc(r * k * 2)?, be.alloc(n_out * r * 2)?);
+        be.dev.dtod(ca.ptr(), ap, r * k * 2)?;
+        be.dev.dtod(cb.ptr(), bp, n_out * r * 2)?;
+        let (a, b) = (ca.ptr(), cb.ptr());
+        w.terms.push(LoraTerm { row0, a, b, scale, k, r, n_out, _owned: std::sync::Arc::new((ca, cb)) });
     }
     Ok(())
 }
@@ -412,8 +431,7 @@ impl CudaBackend {
     }
 
     pub(super) fn gemm(&self, g: GemmArgs) -> Result<()> {
-        let ws = self.workspace.ptr();
-        unsafe { self.gemm.run(&g, ws, self.stream.cu_stream()) }
+        self.dev.gemm(&g, self.workspace.ptr())
     }
 }
 
@@ -421,6 +439,13 @@ impl CudaBackend {
 mod tests {
     use super::*;
     use crate::util::rng::Rng;
+
+    #[test]
+    fn a_lora_rank_not_multiple_of_8_is_named_when_cublaslt_refuses() {
+        let h = ld_hint(4, 896);
+        assert!(h.contains("leading dimension of 4") && h.contains("multiple of 8"), "{h}");
+        assert_eq!(ld_hint(16, 896), "");
+    }
 
     #[test]
     fn alignment_is_the_lowest_set_bit_capped() {

@@ -28,7 +28,7 @@
 //!   (`weight_ptr`) read the shadow of an f32 master; `write` refreshes both;
 //! - `lora_merge` is **lazy**: instead of rounding `W + scale·B·A` to bf16 (which would drop a
 //!   young adapter's delta below W's half-ulp), the merged copy keeps `W` in bf16 plus a list of
-//!   pending LoRA terms (device pointers to the pair's bf16 A and B). `matmul` applies them as
+//!   pending LoRA terms (device copies of the pair's bf16 A and B, owned by the term). `matmul` applies them as
 //!   `y += scale·(x Aᵀ) Bᵀ` in f32 (exactly the rollout's `lora` op), `matmul_dx` as
 //!   `dx += scale·(dy B) A`, `download` materializes them on the host. Any write to the buffer
 //!   (`touch`) drops the terms, and any other weight reader refuses a buffer that has some; the
@@ -44,8 +44,10 @@
 //! the upload when the bytes equal the previous call's: a step passes the same positions, slots
 //! and attention tables to every layer, so only the first layer pays for the copy.
 //!
-//! **Layout.** `device.rs` is the runtime (context, stream, module loading, buffers, copies,
-//! caches), `alloc.rs` the allocator, `footprint.rs` the memory plan; every other file is one op
+//! **Layout.** `device.rs` is the runtime (buffers, copies, caches) over the device seam
+//! (`seam.rs`: the `Device` trait; `real.rs` the driver + cuBLASLt, `emulated.rs` the CPU
+//! emulation running the embedded PTX in the interpreter `ptx/`), `alloc.rs` the allocator,
+//! `footprint.rs` the memory plan; every other file is one op
 //! family mirroring `kernels/<family>.cu` and `src/backend/cpu/<family>.rs` (the table in
 //! `backend/mod.rs`): it launches the family's kernels, forward and backward, and holds the
 //! family's host-side tables. `gemm.rs` wraps cuBLASLt and launches the projections. This file
@@ -53,8 +55,9 @@
 //! the sampler lane by lane on the CPU.
 #![allow(clippy::too_many_arguments)] // the family functions mirror the backend traits' signatures
 
-/// Launch a kernel of `$be` by name. Arguments must be locals (their addresses are passed) whose
-/// Rust types match the kernel's C types: u64 for pointers, i32 for int, i64 for long long, f32.
+/// Launch a kernel of `$be` by name through the device seam. Arguments must be locals whose
+/// Rust types match the kernel's C types: u64 for pointers, i32 for int, i64 for long long, f32
+/// (`seam::IntoKArg`); the emulated device checks them against the entry's `.param` list.
 macro_rules! launch {
     ($be:expr, $name:expr, $grid:expr, $block:expr, $($arg:ident),* $(,)?) => {
         launch_dyn!($be, $name, $grid, $block, 0u32, $($arg),*)
@@ -66,19 +69,8 @@ macro_rules! launch {
 macro_rules! launch_dyn {
     ($be:expr, $name:expr, $grid:expr, $block:expr, $smem:expr, $($arg:ident),* $(,)?) => {{
         let name: &str = $name;
-        let f = $be.func(name)?;
-        let mut args: Vec<*mut std::ffi::c_void> = vec![$( &$arg as *const _ as *mut std::ffi::c_void ),*];
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                ($grid as u32, 1, 1),
-                ($block as u32, 1, 1),
-                $smem as u32,
-                $be.stream.cu_stream(),
-                &mut args,
-            )
-        }
-        .map_err(|e| ::anyhow::anyhow!("cuda: launching {name} failed: {e:?}"))
+        let args = [$( $crate::backend::cuda::seam::IntoKArg::karg(&$arg) ),*];
+        $be.dev.launch(name, $grid as u32, $block as u32, $smem as u32, &args)
     }};
 }
 
@@ -88,8 +80,14 @@ pub mod attention_dense;
 pub mod device;
 #[cfg(test)]
 pub(crate) mod emulate;
+pub mod emulated;
+#[cfg(test)]
+mod emulated_kernels;
 pub mod footprint;
 pub mod gemm;
+pub mod ptx;
+mod real;
+pub mod seam;
 mod logprob;
 mod memory;
 mod norm;
@@ -101,6 +99,8 @@ mod swiglu;
 pub use attention::{CudaKv, HEAD_DIMS};
 pub use device::{device_present, kernels_missing, nvcc_version, CudaBackend, CudaBuf, Dtype};
 use device::{grid_for, LoraTerm};
+#[cfg(test)]
+use device::KERNEL_NAMES as KERNEL_TABLE;
 
 use super::{AdamWStep, AttnGeom, AttnSeq, Backend, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
 use anyhow::Result;

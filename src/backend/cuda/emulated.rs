@@ -1,0 +1,263 @@
+//! The emulated device behind the seam (`seam::Device`): no GPU, no driver. Memory is host
+//! memory with device-like addresses (`ptx::mem`), kernels run their real compute_90 PTX in the
+//! interpreter (`ptx/`) after launch validation (`ptx::launch`), with the shared-memory race
+//! detector on. The GEMMs are computed on the CPU with cuBLASLt's column-major semantics applied
+//! to the descriptors `gemm::describe` builds, so the backend's row-major → cuBLASLt mapping is
+//! what gets checked; each output is the exactly rounded f64 dot product, where cuBLASLt sums in
+//! f32 in an order of its choosing (the parity bounds cover that difference).
+//!
+//! Everything runs synchronously under one lock, in call order — the one in-order stream.
+use super::alloc::DeviceAlloc;
+use super::gemm::{describe, GemmArgs};
+use super::ptx::{self, mem::GlobalMem};
+use super::seam::{DevMemInfo, Device, KArg};
+use anyhow::{anyhow, bail, Context, Result};
+use half::bf16;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Memory the emulated device claims to have (allocations only use host memory as they are made).
+const TOTAL_BYTES: usize = 16 << 30;
+
+struct State {
+    gmem: GlobalMem,
+    max_dyn: HashMap<String, u32>,
+    /// A failure found where it could not be returned (a bad free from a destructor): the next
+    /// operation reports it.
+    deferred: Option<String>,
+}
+
+pub struct EmuDevice {
+    program: ptx::Program,
+    state: Arc<Mutex<State>>,
+    thread_insts: AtomicU64,
+    nanos: AtomicU64,
+    launches: AtomicU64,
+}
+
+/// Interpreter throughput so far (for the speed report of the tests).
+#[derive(Clone, Copy, Debug)]
+pub struct EmuStats {
+    pub launches: u64,
+    pub thread_insts: u64,
+    pub seconds: f64,
+}
+
+impl EmuStats {
+    pub fn thread_insts_per_sec(&self) -> f64 {
+        self.thread_insts as f64 / self.seconds.max(1e-9)
+    }
+}
+
+impl EmuDevice {
+    /// Load every embedded module's PTX (name, cubin, ptx).
+    pub fn new(modules: &[(&str, &[u8], &str)]) -> Result<Self> {
+        let mut gmem = GlobalMem::new();
+        let sources: Vec<(&str, &str)> = modules.iter().map(|m| (m.0, m.2)).collect();
+        let program = ptx::Program::load(&sources, &mut gmem)?;
+        Ok(EmuDevice {
+            program,
+            state: Arc::new(Mutex::new(State { gmem, max_dyn: HashMap::new(), deferred: None })),
+            thread_insts: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
+            launches: AtomicU64::new(0),
+        })
+    }
+
+    pub fn stats(&self) -> EmuStats {
+        EmuStats {
+            launches: self.launches.load(Ordering::Relaxed),
+            thread_insts: self.thread_insts.load(Ordering::Relaxed),
+            seconds: self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = s.deferred.take() {
+            bail!("emulated device: {e}");
+        }
+        Ok(s)
+    }
+
+    /// The interpreter's view of the kernel names it can run (tests list them).
+    pub fn kernel_names(&self) -> Vec<String> {
+        self.program.modules.iter().flat_map(|m| m.funcs.iter().map(|f| f.name.clone())).collect()
+    }
+
+    /// Why a kernel cannot run here (an instruction outside the interpreter's subset), if so.
+    pub fn unsupported(&self, name: &str) -> Option<String> {
+        self.program.get(name).and_then(|(_, f)| f.unsupported.clone())
+    }
+}
+
+struct EmuAlloc {
+    state: Arc<Mutex<State>>,
+}
+
+impl DeviceAlloc for EmuAlloc {
+    fn alloc(&self, _pool: bool, bytes: usize) -> std::result::Result<u64, (bool, String)> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.gmem.live_bytes + bytes > TOTAL_BYTES {
+            return Err((true, format!("emulated device: {bytes} bytes do not fit ({} of {TOTAL_BYTES} in use)", s.gmem.live_bytes)));
+        }
+        Ok(s.gmem.alloc(bytes))
+    }
+    fn free(&self, _pool: bool, ptr: u64) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = s.gmem.free(ptr) {
+            s.deferred.get_or_insert(e.to_string());
+        }
+    }
+    fn sync(&self) {}
+    fn trim_pool(&self) {}
+}
+
+fn bf16_at(d: &[u8], i: usize) -> f64 {
+    bf16::from_bits(u16::from_le_bytes([d[2 * i], d[2 * i + 1]])).to_f64()
+}
+
+impl Device for EmuDevice {
+    fn name(&self) -> String {
+        "emulated sm_90 (PTX interpreter on the CPU)".into()
+    }
+    fn sm_count(&self) -> usize {
+        132
+    }
+    fn bind(&self) -> Result<()> {
+        Ok(())
+    }
+    fn allocator(&self) -> Box<dyn DeviceAlloc> {
+        Box::new(EmuAlloc { state: self.state.clone() })
+    }
+    /// "Pool" mode of `alloc::Heap`: every allocation exactly its size and every free at once,
+    /// so an access one element past a buffer or after its drop misses every live allocation
+    /// (the plain mode's rounded, cached blocks would hide both).
+    fn pools_supported(&self) -> bool {
+        true
+    }
+    fn probe_pool(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+    fn htod(&self, src: &[u8], dst: u64) -> Result<()> {
+        self.lock()?.gmem.slice_mut(dst, src.len(), "host → device copy")?.copy_from_slice(src);
+        Ok(())
+    }
+    fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        dst.copy_from_slice(self.lock()?.gmem.slice(src, dst.len(), "device → host copy")?);
+        Ok(())
+    }
+    fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        let mut s = self.lock()?;
+        let tmp = s.gmem.slice(src, bytes, "device copy (source)")?.to_vec();
+        s.gmem.slice_mut(dst, bytes, "device copy (destination)")?.copy_from_slice(&tmp);
+        Ok(())
+    }
+    fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<()> {
+        self.lock()?.gmem.slice_mut(dst, bytes, "memset")?.fill(byte);
+        Ok(())
+    }
+    fn set_max_dynamic_smem(&self, name: &str, bytes: u32) -> Result<()> {
+        let (_, f) = self.program.get(name).with_context(|| format!("emulated device: no kernel named {name}"))?;
+        if f.static_smem + bytes as usize > ptx::launch::SM90_MAX_SMEM {
+            bail!("emulated device: {name}: {bytes} dynamic + {} static bytes of shared memory exceed sm_90's {}", f.static_smem, ptx::launch::SM90_MAX_SMEM);
+        }
+        self.lock()?.max_dyn.insert(name.to_string(), bytes);
+        Ok(())
+    }
+    fn launch(&self, name: &str, grid: u32, block: u32, dyn_smem: u32, args: &[KArg]) -> Result<()> {
+        let (m, f) = self.program.get(name).with_context(|| format!("emulated device: no kernel named {name}"))?;
+        let mut s = self.lock()?;
+        let params = ptx::launch::validate(f, &m.name, grid, block, dyn_smem, s.max_dyn.get(name).copied(), args, &s.gmem)?;
+        let l = ptx::exec::Launch { module: &m.name, files: &m.files, grid, block, dyn_smem, params: &params, race_check: true, max_thread_insts: ptx::exec::MAX_THREAD_INSTS };
+        let t = Instant::now();
+        let st = ptx::exec::run(f, &l, &mut s.gmem)?;
+        self.nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.thread_insts.fetch_add(st.thread_insts, Ordering::Relaxed);
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+    /// `D = alpha·op(A)·op(B) + beta·C` column-major on `describe`'s layouts (A = w, B = x,
+    /// C = D = y), bf16 inputs, f32 or bf16 output.
+    fn gemm(&self, g: &GemmArgs, _workspace: u64) -> Result<()> {
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        let d = describe(g.m, g.n, g.k, g.ldx, g.ldw, g.ldy, g.xt, g.wt)?;
+        let mut s = self.lock()?;
+        // the bytes each operand spans: (cols - 1)·ld + rows elements
+        let span = |l: &super::gemm::Layout| (l.cols - 1) * l.ld + l.rows;
+        let a = s.gmem.slice(g.w, span(&d.a) * 2, "gemm operand A (w)").map_err(|e| anyhow!("{e:#}"))?.to_vec();
+        let b = s.gmem.slice(g.x, span(&d.b) * 2, "gemm operand B (x)")?.to_vec();
+        let esz = if g.y_bf16 { 2 } else { 4 };
+        let c = s.gmem.slice_mut(g.y, span(&d.c) * esz, "gemm output C/D (y)")?;
+        let inner = if d.trans_a { d.a.rows } else { d.a.cols };
+        // op(A) as rows × inner and op(B)ᵀ as cols × inner, contiguous f32 (bf16 is exact in f32)
+        let (rows, cols) = (d.c.rows, d.c.cols);
+        let mut opa = vec![0f32; rows * inner];
+        for i in 0..rows {
+            for l in 0..inner {
+                opa[i * inner + l] = if d.trans_a { bf16_at(&a, l + i * d.a.ld) } else { bf16_at(&a, i + l * d.a.ld) } as f32;
+            }
+        }
+        let mut opbt = vec![0f32; cols * inner];
+        for j in 0..cols {
+            for l in 0..inner {
+                opbt[j * inner + l] = if d.trans_b { bf16_at(&b, j + l * d.b.ld) } else { bf16_at(&b, l + j * d.b.ld) } as f32;
+            }
+        }
+        // each output: the f64 sum of exact products, rounded once (columns in parallel)
+        let dots: Vec<f64> = {
+            use rayon::prelude::*;
+            (0..cols)
+                .into_par_iter()
+                .flat_map_iter(|j| {
+                    let bj = &opbt[j * inner..(j + 1) * inner];
+                    let opa = &opa;
+                    (0..rows).map(move |i| opa[i * inner..(i + 1) * inner].iter().zip(bj).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>())
+                })
+                .collect()
+        };
+        for j in 0..cols {
+            for i in 0..rows {
+                let acc = dots[j * rows + i];
+                let o = (i + j * d.c.ld) * esz;
+                let old = if g.beta != 0.0 {
+                    if g.y_bf16 {
+                        bf16::from_bits(u16::from_le_bytes([c[o], c[o + 1]])).to_f64()
+                    } else {
+                        f32::from_le_bytes(c[o..o + 4].try_into().unwrap()) as f64
+                    }
+                } else {
+                    0.0
+                };
+                let v = (g.alpha as f64 * acc + g.beta as f64 * old) as f32;
+                if g.y_bf16 {
+                    c[o..o + 2].copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
+                } else {
+                    c[o..o + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+    fn mem_info(&self, _pool: bool) -> Result<DevMemInfo> {
+        let live = self.lock()?.gmem.live_bytes;
+        Ok(DevMemInfo { free: TOTAL_BYTES.saturating_sub(live), total: TOTAL_BYTES, pool_cached: None })
+    }
+    fn synchronize(&self) -> Result<()> {
+        drop(self.lock()?);
+        Ok(())
+    }
+    fn report(&self) -> Result<serde_json::Value> {
+        let st = self.stats();
+        Ok(serde_json::json!({
+            "compute_capability": "9.0 (emulated)",
+            "emulated": true,
+            "emulator_launches": st.launches,
+            "emulator_thread_instructions": st.thread_insts,
+        }))
+    }
+}
