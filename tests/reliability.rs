@@ -315,6 +315,139 @@ fn resume_with_fewer_steps_than_done_is_refused_and_equal_is_said() {
     // --overwrite deletes the old run's files, so it may not start from that run's adapter
     let adapter = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
     let init = out.join("adapter");
-    fails_with(&[&base[..], &["--steps", "1", "--overwrite", "--init-adapter", s(&init)]].concat(), &["--out", "adapter", "holds an input"]);
+    fails_with(&[&base[..], &["--steps", "1", "--overwrite", "--init-adapter", s(&init)]].concat(), &["--out", "adapter", "also an input"]);
     assert_eq!(std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap(), adapter);
+}
+
+// ---- the outside sweep's findings (docs/RELIABILITY.md, "How this was swept") -------------------
+
+#[test]
+fn inputs_that_are_not_regular_files_are_refused_by_name() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, adapter, _) = grpo_case(t.path());
+    let fifo = t.path().join("fifo");
+    let c = std::ffi::CString::new(s(&fifo)).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let out = t.path().join("o.safetensors");
+    for args in [
+        vec!["grpo-grad", "--model", s(&model), "--adapter", s(&adapter), "--batch", s(&fifo), "--out", s(&out)],
+        vec!["grpo-grad", "--model", s(&model), "--adapter", s(&adapter), "--batch", "/dev/zero", "--out", s(&out)],
+        vec!["reward", "--groups", s(&fifo)],
+        vec!["train", "--config", s(&fifo)],
+        vec!["study", "--config", s(&fifo), "--dry-run"],
+    ] {
+        let t0 = Instant::now();
+        fails_with(&args, &["not a regular file"]);
+        assert!(t0.elapsed() < Duration::from_secs(10), "{args:?}");
+    }
+    // a directory where the weights file should be
+    let m2 = t.path().join("m2");
+    std::fs::create_dir(&m2).unwrap();
+    std::fs::copy(model.join("config.json"), m2.join("config.json")).unwrap();
+    std::fs::create_dir(m2.join("model.safetensors")).unwrap();
+    fails_with(&["score", "--model", s(&m2), "--context-ids", "1,2", "--target-ids", "3"], &["model.safetensors", "is a directory"]);
+}
+
+#[test]
+fn a_new_output_is_reserved_so_a_second_command_is_refused_at_once() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("race.jsonl");
+    // the first command is still running (a bigger batch of work) when the second starts
+    let mut first = bin();
+    first.args(a.args("rollout", &a.data, &out, &["--group-size", "8"]));
+    let mut child = first.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let t0 = Instant::now();
+    while !out.exists() && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let second = a.fails("rollout", &a.data, &out, &[], &["--out", "already exists"]);
+    assert!(!second.stderr.contains("panicked"));
+    assert!(child.wait().unwrap().success());
+    assert!(std::fs::read_to_string(&out).unwrap().lines().count() >= 3, "the first command's output is whole");
+    // a refused or failed command leaves no placeholder behind
+    let out2 = a.tmp.path().join("never.jsonl");
+    a.fails("rollout", &a.data, &out2, &["--group-size", "0"], &["--group-size"]);
+    a.fails("rollout", &a.tmp.path().join("missing.jsonl"), &out2, &[], &["missing.jsonl"]);
+    assert!(!out2.exists(), "a failed rollout left its reserved --out behind");
+}
+
+#[test]
+fn runs_of_different_kinds_and_inputs_never_share_a_directory() {
+    let a = Agent::new();
+    let t = a.tmp.path();
+    // the model directory as an eval's or a train's --out
+    a.fails("eval", &a.data, &a.model, &["--overwrite"], &["--out", "also an input"]);
+    fails_with(&["train", "--model", s(&a.model), "--data", s(&a.data), "--templates", s(&a.templates), "--out", s(&a.model), "--overwrite", "--steps", "1"], &["--out", "also an input"]);
+    // an evaluation into a train run's directory, and a run into an evaluation's
+    let run = t.join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "").unwrap();
+    a.fails("eval", &a.data, &run, &["--overwrite"], &["--out", "a training run", "metrics.jsonl"]);
+    let ev = t.join("ev");
+    a.ok("eval", &a.data, &ev, &[]);
+    fails_with(&["train", "--model", s(&a.model), "--data", s(&a.data), "--templates", s(&a.templates), "--out", s(&ev), "--overwrite", "--steps", "1"], &["--out", "an evaluation", "results.json"]);
+    // one file given twice (a symlink, a copy): each question once
+    let link = t.join("link.jsonl");
+    std::os::unix::fs::symlink(&a.data, &link).unwrap();
+    a.fails("eval", &a.data, &t.join("e2"), &["--data", s(&link)], &["--data", "more than once"]);
+    let copy = t.join("copy.jsonl");
+    std::fs::copy(&a.data, &copy).unwrap();
+    a.fails("eval", &a.data, &t.join("e3"), &["--data", s(&copy)], &["record id", "twice"]);
+}
+
+#[test]
+fn zero_and_unholdable_batch_settings_are_refused_before_the_rollout() {
+    let a = Agent::new();
+    let out = a.tmp.path().join("o.jsonl");
+    for cmd in ["rollout", "eval"] {
+        a.fails(cmd, &a.data, &out, &["--batch-queries", "0"], &["--batch-queries", "1.."]);
+        a.fails(cmd, &a.data, &out, &["--max-batch-tokens", "0"], &["--max-batch-tokens"]);
+        let o = a.fails(cmd, &a.data, &out, &["--kv-tokens", "1"], &["--kv-tokens 1", "needs"]);
+        assert!(!o.stderr.contains("KV cache is full"), "{}", o.stderr);
+    }
+    let m = fixtures().join("tiny-llama");
+    fails_with(&["bench", "--model", s(&m), "--work", "score", "--seq-len", "16", "--score-last", "4", "--repeat", "99999999999"], &["--repeat", "1..="]);
+    fails_with(&["bench", "--model", s(&m), "--work", "rollout", "--seq-len", "16", "--new-tokens", "4", "--chunks", "99999999"], &["--chunks"]);
+}
+
+#[test]
+fn json_failures_are_json_and_numbers_beyond_f32_are_named() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, adapter, batch) = grpo_case(t.path());
+    let mut g = cases()["llama"]["grpo"].clone();
+    g["conversations"][0]["advantage"] = 1e308.into();
+    std::fs::write(&batch, serde_json::to_string(&g).unwrap()).unwrap();
+    let mut c = bin();
+    c.args(["grpo-grad", "--model", s(&model), "--adapter", s(&adapter), "--batch", s(&batch), "--out", s(&t.path().join("g.st")), "--json"]);
+    let o = fails_cmd(c, &["advantage", "does not fit in f32"]);
+    let v: serde_json::Value = serde_json::from_str(o.stdout.trim()).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", o.stdout));
+    assert_eq!(v["ok"], false);
+    assert!(v["error"].as_str().unwrap().contains("does not fit in f32"), "{v}");
+    // a weight that the mode never reads
+    let gp = t.path().join("g.jsonl");
+    std::fs::write(&gp, "{\"outcomes\": [1, 0], \"gains\": [0.1, 0.2]}\n").unwrap();
+    fails_with(&["reward", "--groups", s(&gp), "--mode", "outcome", "--beta", "5"], &["--beta", "no effect", "outcome"]);
+}
+
+#[test]
+fn a_resume_refuses_edited_templates_and_model_files() {
+    let (_m, model) = common::tiny_for_agent("llama");
+    let t = tempfile::tempdir().unwrap();
+    let data = t.path().join("d.jsonl");
+    write_code_qa(&data, 4, "r");
+    let tpl = t.path().join("t.toml");
+    std::fs::write(&tpl, "update = \"Q:{question}\\nS:{chunk}\\nM:{memory}\"\nfinal = \"Q:{question}\\nM:{memory}\"\nempty_memory = \"-\"\n").unwrap();
+    let out = t.path().join("run");
+    ok(&["train", "--model", s(&model), "--data", s(&data), "--templates", s(&tpl), "--out", s(&out), "--steps", "1", "--queries-per-step", "1", "--group-size", "2",
+        "--chunk-tokens", "40", "--memory-tokens", "8", "--answer-tokens", "4", "--lora-r", "2"]);
+    std::fs::write(&tpl, "update = \"Question:{question}\\nS:{chunk}\\nM:{memory}\"\nfinal = \"Q:{question}\\nM:{memory}\"\nempty_memory = \"-\"\n").unwrap();
+    fails_with(&["train", "--out", s(&out), "--resume", "--steps", "2"], &["--resume", "changed", "templates"]);
+    std::fs::write(&tpl, "update = \"Q:{question}\\nS:{chunk}\\nM:{memory}\"\nfinal = \"Q:{question}\\nM:{memory}\"\nempty_memory = \"-\"\n").unwrap();
+    let cfg = model.join("config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("\"rms_norm_eps\": 0.00001", "\"rms_norm_eps\": 0.000001").replace("\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": 1e-06")).unwrap();
+    assert_ne!(std::fs::read_to_string(&cfg).unwrap(), text, "the fixture's rms_norm_eps spelling changed: edit another value");
+    fails_with(&["train", "--out", s(&out), "--resume", "--steps", "2"], &["--resume", "changed", "model/config.json"]);
+    std::fs::write(&cfg, text).unwrap();
+    ok(&["train", "--out", s(&out), "--resume", "--steps", "2"]);
 }
