@@ -449,5 +449,11 @@ fn a_resume_refuses_edited_templates_and_model_files() {
     assert_ne!(std::fs::read_to_string(&cfg).unwrap(), text, "the fixture's rms_norm_eps spelling changed: edit another value");
     fails_with(&["train", "--out", s(&out), "--resume", "--steps", "2"], &["--resume", "changed", "model/config.json"]);
     std::fs::write(&cfg, text).unwrap();
-    ok(&["train", "--out", s(&out), "--resume", "--steps", "2"]);
+    // the data moved (a copy with the same content, as a study may name it): the run goes on
+    // from the new path; a copy with other content is refused
+    let moved = t.path().join("moved.jsonl");
+    std::fs::copy(&data, &moved).unwrap();
+    ok(&["train", "--out", s(&out), "--resume", "--steps", "2", "--data", s(&moved)]);
+    write_code_qa(&moved, 5, "other");
+    fails_with(&["train", "--out", s(&out), "--resume", "--steps", "3", "--data", s(&moved)], &["--resume", "data"]);
 }

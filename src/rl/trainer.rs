@@ -869,6 +869,11 @@ fn merge_resumed(mut saved: TrainConfig, saved_step: usize, requested: &TrainCon
     saved.steps = requested.steps.max(saved_step);
     saved.save_every = requested.save_every;
     saved.keep_checkpoints = requested.keep_checkpoints;
+    // data given again at another path: `resume_config` let it through only with the saved
+    // content (and `Trainer::new` checks the hash again)
+    if requested.data.is_some() {
+        saved.data = requested.data.clone();
+    }
     saved
 }
 
@@ -903,6 +908,9 @@ pub fn resume_config(requested: &TrainConfig, explicit: &BTreeSet<String>) -> Re
         let same = match key.as_str() {
             // the same set of projections in any order
             "lora_targets" => st.config.targets().ok() == requested.targets().ok(),
+            // the data is the same when its content is (a study, which identifies data by its
+            // SHA-256, may name a moved copy): the run then reads it from the new path
+            "data" if st.data_sha256.is_some() && requested.data.as_ref().is_some_and(|p| p.is_file() && sha256_file(p).ok() == st.data_sha256) => true,
             "model" | "data" | "init_adapter" | "templates" => {
                 let abs = |v: &serde_json::Value| v.as_str().map(|p| crate::util::fs::absolute_path(Path::new(p)));
                 abs(a) == abs(b)
