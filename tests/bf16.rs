@@ -176,7 +176,7 @@ fn bf16_dropping_unwanted_rows_from_the_last_layer_keeps_the_bits() {
 #[test]
 fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
     use infomem_engine::backend::{AttnGeom, AttnSeq};
-    use infomem_engine::backend::cpu::gemm_bf16::f32_to_bf16_bits;
+    use infomem_engine::backend::cpu::bf16::f32_to_bf16_bits;
     // head_dim 20: the 16-wide loop, then 4 left over
     let g = AttnGeom { n_layers: 2, n_heads: 6, n_kv_heads: 2, head_dim: 20, page_size: 16 };
     let (w, qd) = (g.qkv_dim(), g.q_dim());
@@ -245,7 +245,7 @@ fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
 /// softmax numerators not rounded), the two differed by up to 1.7e-2 here (6e-2 on SmolLM2).
 #[test]
 fn bf16_generated_logprobs_equal_their_scores() {
-    use infomem_engine::backend::cpu::attention_bf16::decode_usable;
+    use infomem_engine::backend::cpu::attention::decode_usable;
     use infomem_engine::runtime::ScoreRequest;
     let m = tiny_bf16("qwen3");
     let g = m.geom();

@@ -19,7 +19,7 @@
 //! Every output row is computed the same way whatever `m`, the thread count or the row's
 //! position: the k-blocking depends only on `k`, and each row has its own accumulators. So a
 //! sequence scores identically alone or in a batch, and results do not depend on threads.
-use super::matmul::SendPtr;
+use super::par::SendPtr;
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 use std::cell::RefCell;

@@ -4,12 +4,13 @@
 //! trait methods to them.
 pub(crate) mod arena;
 pub mod attention;
-pub mod attention_bf16;
-pub mod attention_dense;
+/// The CUDA emulator's tests name the dense attention (their CPU twin) by this path.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) use attention::dense as attention_dense;
 pub mod buf;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm512;
-pub mod gemm_bf16;
+pub mod bf16;
 pub mod logprob;
 pub mod lora;
 pub mod machine;
@@ -17,6 +18,7 @@ pub mod matmul;
 pub mod memory;
 pub mod norm;
 pub mod optim;
+pub(crate) mod par;
 pub mod rope;
 pub mod sample;
 pub mod simd;
@@ -27,10 +29,6 @@ use anyhow::{ensure, Result};
 use attention::CpuKv;
 pub use buf::CpuBuf;
 use buf::PackedWeight;
-
-/// Rows per rayon task for cheap row-wise ops (keeps task overhead well below the work; the
-/// split does not change any result: rows are independent).
-pub(crate) const ROWS_PER_TASK: usize = 64;
 
 /// How the CPU stores frozen weight matrices (`--dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,7 +118,7 @@ impl Backend for CpuBackend {
         match self.weights {
             WeightDtype::F32 => format!("cpu ({} threads, f32)", self.threads),
             WeightDtype::Bf16 => {
-                format!("cpu ({} threads, bf16 weights, {})", self.threads, gemm_bf16::auto_kernel())
+                format!("cpu ({} threads, bf16 weights, {})", self.threads, bf16::auto_kernel())
             }
         }
     }
@@ -294,7 +292,7 @@ pub fn poison_scratch(on: bool) -> bool {
 /// `TrainBackend::matmul_dx_lora` on a one-tile bf16 weight (`lora::matmul_dx_lora`), its pairs'
 /// input as rows or formed from gate/up.
 #[allow(clippy::too_many_arguments)]
-fn fused_dx_lora(dy: &CpuBuf, pw: &gemm_bf16::PackedBf16, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: lora::XRows, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
+fn fused_dx_lora(dy: &CpuBuf, pw: &bf16::PackedBf16, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: lora::XRows, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
     ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
     ensure!(pw.n() == n && pw.k() == k, "matmul_dx_lora: bf16 weight [{}, {}] for [{n}, {k}]", pw.n(), pw.k());
     let xw = x.width(k);
@@ -363,12 +361,12 @@ impl TrainBackend for CpuBackend {
     }
     fn attn_dense(&self, qkv: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention_dense::attn_dense(qkv, seqs, g, out, lse, self.weights == WeightDtype::Bf16);
+        attention::dense::attn_dense(qkv, seqs, g, out, lse, self.weights == WeightDtype::Bf16);
         Ok(())
     }
     fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == WeightDtype::Bf16);
+        attention::dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == WeightDtype::Bf16);
         Ok(())
     }
     fn rmsnorm_bwd(&self, x: &CpuBuf, w: &CpuBuf, dy: &CpuBuf, eps: f32, rows: usize, d: usize, dx: &mut CpuBuf, accumulate: bool) -> Result<()> {

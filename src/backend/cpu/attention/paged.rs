@@ -1,4 +1,4 @@
-//! Causal GQA attention over a paged KV cache, on the CPU.
+//! The paged KV cache (`CpuKv`, `KvPages`) and causal GQA attention over it.
 //!
 //! Storage: one allocation per page, laid out `[layer][k|v][kv_head][block]`. A head's values
 //! in a page are `[page_size][head_dim]` (a key's values contiguous) and its keys are stored
@@ -9,71 +9,14 @@
 //! Compute: one task per (sequence, kv head). Prefill and scoring chunks gather `Kᵀ` and V of the
 //! visible context once, then for each query head of the group and each block of query rows do
 //! `S = Q Kᵀ` (GEMM), causal mask, softmax in f32, `O = P V` (GEMM); only a `[block, ctx]` score
-//! tile exists at a time, never `[T, T]`. Decode rows (a few queries; bf16 pages: `attention_bf16::decode_row`) read K and V straight from
-//! the pages (`scores_page`, `values_page`): a gather would copy the whole context per step.
-//!
-//! Element type (`KvElem`): f32 with `--dtype f32`, bf16 with `--dtype bf16` (as on CUDA: K and V
-//! rounded to nearest even when stored, widened to f32 when read; scores, softmax and sums f32).
-use super::attention_bf16 as bf16_attn;
-use super::matmul::{gemm_raw, SendPtr};
+//! tile exists at a time, never `[T, T]`. Decode rows (a few queries) read K and V straight from
+//! the pages (`decode`): a gather would copy the whole context per step.
+use crate::backend::cpu::matmul::gemm_raw;
+use crate::backend::cpu::par::{prefetch_l2, SendPtr};
+use super::tiled;
+use super::decode::{decode_row, decode_usable, scores_page, softmax_inplace, values_page, KvElem, Scores};
 use crate::backend::{AttnGeom, AttnSeq};
 use rayon::prelude::*;
-
-/// A KV page's element: f32 (`--dtype f32`), or bf16 bits (`--dtype bf16`, the CUDA backend's
-/// policy: half the bytes every decode step streams; values rounded once, to nearest even, as
-/// they are stored; the arithmetic stays f32).
-pub trait KvElem: Copy + Default + Send + Sync + 'static {
-    /// bf16 pages: fed rows run on bf16 operands where the CPU has AMX or AVX512_BF16 (`attention_bf16`).
-    const BF16: bool;
-    /// `x` as stored (bf16: rounded to nearest even).
-    fn round(x: f32) -> Self;
-    /// The stored value as f32 (exact).
-    fn widen(self) -> f32;
-    /// The stored value as bf16 bits (f32: rounded to nearest even).
-    fn bits(self) -> u16;
-    /// Widen `src` into `dst` (same length).
-    fn get(dst: &mut [f32], src: &[Self]) {
-        for (d, &x) in dst.iter_mut().zip(src) {
-            *d = x.widen();
-        }
-    }
-}
-
-impl KvElem for f32 {
-    const BF16: bool = false;
-    #[inline(always)]
-    fn round(x: f32) -> f32 {
-        x
-    }
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn bits(self) -> u16 {
-        super::gemm_bf16::f32_to_bf16_bits(self)
-    }
-    fn get(dst: &mut [f32], src: &[f32]) {
-        dst.copy_from_slice(src);
-    }
-}
-
-impl KvElem for u16 {
-    const BF16: bool = true;
-    #[inline(always)]
-    fn round(x: f32) -> u16 {
-        super::gemm_bf16::f32_to_bf16_bits(x)
-    }
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        // a bf16 is the high half of an f32
-        f32::from_bits((self as u32) << 16)
-    }
-    #[inline(always)]
-    fn bits(self) -> u16 {
-        self
-    }
-}
 
 /// The paged KV cache of one element type.
 pub struct KvPages<T> {
@@ -297,7 +240,7 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     // operands too where `decode_usable`: `attend_direct`), whatever their number (a row's bits
     // must not depend on how a prompt was chunked); otherwise both kernels give the same bits and
     // the row count chooses
-    let bf16_rows = T::BF16 && bf16_attn::usable(hd);
+    let bf16_rows = T::BF16 && tiled::usable(hd);
     let direct = |s: &AttnSeq| (bf16_rows && s.sampled) || (!bf16_rows && s.n_q <= DIRECT_MAX_Q);
     tasks.par_iter().enumerate().for_each(|(ti, &(si, kvh))| {
         let s = &seqs[si];
@@ -321,7 +264,7 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
         }
         let n = s.ctx_len;
         if bf16_rows {
-            return bf16_attn::with_scratch(|kt, vp, sc| kv.prefill_bf16(layer, qkv, s, kvh, kt, vp, sc, &outp));
+            return tiled::with_scratch(|kt, vp, sc| kv.prefill_bf16(layer, qkv, s, kvh, kt, vp, sc, &outp));
         }
         // Kᵀ [hd, n], row-major (as the pages hold it): the score GEMM packs its B panels by
         // plain row copies instead of a strided transpose per query block.
@@ -377,7 +320,7 @@ impl<T: KvElem> KvPages<T> {
         kvh: usize,
         kt: &mut Vec<u32>,
         vp: &mut Vec<u32>,
-        sc: &mut bf16_attn::Scratch,
+        sc: &mut tiled::Scratch,
         outp: &SendPtr<f32>,
     ) {
         let g = self.geom;
@@ -387,7 +330,7 @@ impl<T: KvElem> KvPages<T> {
         let (kb, vb) = (block(&g, layer, 0, kvh), block(&g, layer, 1, kvh));
         // Kᵀ panels: word (pair q, key j) = K[j][2q], K[j][2q+1]; V panels: word (pair q of keys,
         // column c) = V[2q][c], V[2q+1][c] (see attention_bf16's operand layout); panels of pw
-        let pw = bf16_attn::T;
+        let pw = tiled::T;
         let (kp, np) = (hd / 2, n.next_multiple_of(pw) / 2);
         kt.clear();
         kt.resize(n.div_ceil(pw) * kp * pw, 0);
@@ -427,9 +370,9 @@ impl<T: KvElem> KvPages<T> {
             }
             j = end;
         }
-        let pr = bf16_attn::Products::new();
+        let pr = tiled::Products::new();
         let qs = (s.q_row, s.n_q, n - s.n_q);
-        bf16_attn::forward_rows(&pr, kt, vp, np * pw, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
+        tiled::forward_rows(&pr, kt, vp, np * pw, hd, (qkv, width), qs, (kvh * group, group, BQ), scale, sc, |row, h, o| {
             // Safety: rows of this sequence, columns of this kv group's heads: this task's only
             unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) }
         }, |_, _, _| {});
@@ -495,14 +438,14 @@ impl<T: KvElem> KvPages<T> {
         };
         prefetch_l2(next(0).unwrap(), block_len);
         if let Some(kv16) = as_bf16(self) {
-            if bf16_attn::decode_usable(hd, ps) {
+            if decode_usable(hd, ps) {
                 // bf16 operands, as the fed rows (`attention_bf16`) and the CUDA kernel: a sampled
                 // token's log-prob then equals its score. The f32 kernels below were bound by
                 // their FMAs with K and V in cache (8 rows × 384 keys, one layer: 69.8 → 42.4 µs,
                 // `cargo bench --bench kernels -- "decode attention"`)
                 let blk = |pi: usize, b: usize| &kv16.page(pages[pi])[b..b + hd * ps];
                 let nx = |i: usize| next(i).map_or(std::ptr::null(), |p| p as *const u16);
-                return bf16_attn::decode_row(|pi| blk(pi, kb), |pi| blk(pi, vb), nx, (ps, hd, visible), q, group, scale, out);
+                return decode_row(|pi| blk(pi, kb), |pi| blk(pi, vb), nx, (ps, hd, visible), q, group, scale, out);
             }
         }
         // scores[h * visible + t]
@@ -526,296 +469,16 @@ impl<T: KvElem> KvPages<T> {
     }
 }
 
-/// Where one page's decode scores go: `out[h·visible + t0 + j] = scale · q_h · key_j` for the
-/// query heads `h < group` (rows of `hd` in `q`).
-struct Scores<'a> {
-    q: &'a [f32],
-    group: usize,
-    hd: usize,
-    scale: f32,
-    out: &'a mut [f32],
-    visible: usize,
-    t0: usize,
-    /// The next block to stream (K or V, same shape), asked into L2 one row per row of this
-    /// page's keys as the vector kernels go (`prefetch_row`), or null.
-    next: *const u8,
-}
-
-/// The scores of the first `nt` keys of one page, from its `Kᵀ` block (`kt[d·ps + j]`). Every
-/// path computes a key's score the same way — from +0, one fused multiply-add per `d` in order,
-/// then × scale — so the bits do not depend on the instruction set, the key's place in a vector
-/// or the page size.
-fn scores_page<T: KvElem>(sc: Scores, kt: &[T], ps: usize, nt: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if super::simd::has_avx512f() {
-            // Safety: AVX-512F is present; kt holds hd rows of ps.
-            return unsafe { x512::scores(sc, kt, ps, nt) };
-        }
-        if super::simd::has_avx2_fma() {
-            // Safety: AVX2 and FMA are present; as above.
-            return unsafe { x256::scores(sc, kt, ps, nt) };
-        }
-    }
-    scores_keys(sc, kt, ps, 0, nt)
-}
-
 /// This cache as bf16 pages when it is one.
 fn as_bf16<T: KvElem>(kv: &KvPages<T>) -> Option<&KvPages<u16>> {
     // Safety: T is u16 (checked): the same type.
     (std::any::TypeId::of::<T>() == std::any::TypeId::of::<u16>()).then(|| unsafe { &*(kv as *const KvPages<T> as *const KvPages<u16>) })
 }
 
-/// Keys `j0..nt` one at a time (pages narrower than a vector, the last keys of odd page sizes,
-/// and CPUs without AVX2).
-fn scores_keys<T: KvElem>(sc: Scores, kt: &[T], ps: usize, j0: usize, nt: usize) {
-    let hd = sc.hd;
-    for j in j0..nt {
-        for h in 0..sc.group {
-            let q = &sc.q[h * hd..(h + 1) * hd];
-            let s = q.iter().enumerate().fold(0f32, |s, (d, &qd)| qd.mul_add(kt[d * ps + j].widen(), s));
-            sc.out[h * sc.visible + sc.t0 + j] = s * sc.scale;
-        }
-    }
-}
-
-/// `out_h += Σ_j p[h·visible + j] · value_j` over one page's `nt = vals.len() / hd` values, for
-/// every head `h < group`: per element, one fused multiply-add per key in key order, on every path.
-fn values_page<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, out: &mut [f32], next: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if super::simd::has_avx512f() {
-            // Safety: AVX-512F is present; p rows hold nt values, out group rows of hd.
-            return unsafe { x512::values(p, visible, vals, group, hd, out, next) };
-        }
-        if super::simd::has_avx2_fma() {
-            // Safety: AVX2 and FMA are present; as above.
-            return unsafe { x256::values(p, visible, vals, group, hd, out, next) };
-        }
-    }
-    let _ = next;
-    values_cols(p, visible, vals, group, hd, 0, out)
-}
-
-/// Columns `c0..hd` of `values_page`, one at a time.
-fn values_cols<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, c0: usize, out: &mut [f32]) {
-    for h in 0..group {
-        for c in c0..hd {
-            let o = &mut out[h * hd + c];
-            for (j, val) in vals.chunks_exact(hd).enumerate() {
-                *o = p[h * visible + j].mul_add(val[c].widen(), *o);
-            }
-        }
-    }
-}
-
-/// The decode kernels for one vector width. Scores: a block of `NB` vectors of consecutive keys ×
-/// `H` ≤ 3 query heads of accumulators; per `d`, the keys' element `d` is loaded (widened from
-/// bf16) once and multiplied by each head's broadcast `q_h[d]` — no horizontal sums, and K is
-/// read once for the whole group. Values: `H` heads × `NB` vectors of columns, per key one row
-/// load and a broadcast weight per head. Registers: H·NB accumulators + NB loads + 1 broadcast
-/// (AVX-512: 12 + 4 + 1 of 32; AVX2, NB ≤ 3: 9 + 3 + 1 of 16).
-#[cfg(target_arch = "x86_64")]
-macro_rules! decode_kernels {
-    ($m:ident, $feat:literal, $v:ty, $lanes:literal, $nb_max:literal, $zero:ident, $set1:ident, $fma:ident, $load:ident, $store:ident, $wide:path, $bf16_load:ty, $bf16_loadu:ident) => {
-        mod $m {
-            use super::{prefetch_row, scores_keys, values_cols, KvElem, Scores};
-            use std::arch::x86_64::*;
-            const L: usize = $lanes;
-
-            #[target_feature(enable = $feat)]
-            #[inline]
-            unsafe fn load<T: KvElem>(p: *const T) -> $v {
-                if std::mem::size_of::<T>() == 2 {
-                    // a bf16 is the high half of an f32: widen to 32 bits, shift into place
-                    $wide($bf16_loadu(p as *const $bf16_load))
-                } else {
-                    $load(p as *const f32)
-                }
-            }
-
-            /// # Safety
-            /// The CPU has the features; `kt` holds `hd` rows of `ps`.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn scores<T: KvElem>(mut sc: Scores, kt: &[T], ps: usize, nt: usize) {
-                let mut j0 = 0;
-                // whole vectors of keys while they stay inside the block; lanes past nt are
-                // computed from whatever the page holds there and dropped
-                while j0 < nt && j0 + L <= ps {
-                    let nb = (nt - j0).div_ceil(L).min($nb_max).min((ps - j0) / L);
-                    let mut h = 0;
-                    while h < sc.group {
-                        let hc = (sc.group - h).min(3);
-                        match (hc, nb) {
-                            (1, 1) => keys::<T, 1, 1>(&mut sc, kt, ps, h, j0, nt), (1, 2) => keys::<T, 1, 2>(&mut sc, kt, ps, h, j0, nt), (1, 3) => keys::<T, 1, 3>(&mut sc, kt, ps, h, j0, nt), (1, 4) => keys::<T, 1, 4>(&mut sc, kt, ps, h, j0, nt),
-                            (2, 1) => keys::<T, 2, 1>(&mut sc, kt, ps, h, j0, nt), (2, 2) => keys::<T, 2, 2>(&mut sc, kt, ps, h, j0, nt), (2, 3) => keys::<T, 2, 3>(&mut sc, kt, ps, h, j0, nt), (2, 4) => keys::<T, 2, 4>(&mut sc, kt, ps, h, j0, nt),
-                            (3, 1) => keys::<T, 3, 1>(&mut sc, kt, ps, h, j0, nt), (3, 2) => keys::<T, 3, 2>(&mut sc, kt, ps, h, j0, nt), (3, 3) => keys::<T, 3, 3>(&mut sc, kt, ps, h, j0, nt), (3, 4) => keys::<T, 3, 4>(&mut sc, kt, ps, h, j0, nt),
-                            _ => unreachable!(),
-                        }
-                        h += hc;
-                    }
-                    j0 += nb * L;
-                }
-                scores_keys(sc, kt, ps, j0.min(nt), nt)
-            }
-
-            /// Keys `j0..j0 + NB·L` (stored up to `nt`) for heads `h0..h0 + H`.
-            #[target_feature(enable = $feat)]
-            #[inline]
-            unsafe fn keys<T: KvElem, const H: usize, const NB: usize>(sc: &mut Scores, kt: &[T], ps: usize, h0: usize, j0: usize, nt: usize) {
-                let hd = sc.hd;
-                debug_assert!(j0 + NB * L <= ps && kt.len() >= hd * ps && NB <= $nb_max);
-                let (q, k) = (sc.q.as_ptr().add(h0 * hd), kt.as_ptr().add(j0));
-                let sz = std::mem::size_of::<T>();
-                let pf = if h0 == 0 { sc.next } else { std::ptr::null() };
-                let mut acc = [[$zero(); NB]; H];
-                for d in 0..hd {
-                    prefetch_row(pf, (d * ps + j0) * sz, NB * L * sz);
-                    let row = k.add(d * ps);
-                    let mut kv = [$zero(); NB];
-                    for (b, x) in kv.iter_mut().enumerate() {
-                        *x = load(row.add(b * L));
-                    }
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        let qv = $set1(*q.add(c * hd + d));
-                        for b in 0..NB {
-                            a[b] = $fma(qv, kv[b], a[b]);
-                        }
-                    }
-                }
-                let mut tmp = [0f32; 4 * L];
-                let n = (nt - j0).min(NB * L);
-                for (c, a) in acc.iter().enumerate() {
-                    for b in 0..NB {
-                        $store(tmp.as_mut_ptr().add(b * L), a[b]);
-                    }
-                    let dst = &mut sc.out[(h0 + c) * sc.visible + sc.t0 + j0..][..n];
-                    for (o, &t) in dst.iter_mut().zip(&tmp[..n]) {
-                        *o = t * sc.scale;
-                    }
-                }
-            }
-
-            /// # Safety
-            /// The CPU has the features; `p` rows hold `vals.len() / hd` values, `out` `group` rows of `hd`.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn values<T: KvElem>(p: &[f32], visible: usize, vals: &[T], group: usize, hd: usize, out: &mut [f32], next: *const u8) {
-                let nt = vals.len() / hd;
-                let mut c0 = 0;
-                while c0 + L <= hd {
-                    let nb = ((hd - c0) / L).min($nb_max);
-                    let mut h = 0;
-                    while h < group {
-                        // the next block's rows: with the first heads' columns only
-                        let pf = if h == 0 { next } else { std::ptr::null() };
-                        let hc = (group - h).min(3);
-                        match (hc, nb) {
-                            (1, 1) => cols::<T, 1, 1>(p, visible, vals, nt, hd, h, c0, out, pf), (1, 2) => cols::<T, 1, 2>(p, visible, vals, nt, hd, h, c0, out, pf), (1, 3) => cols::<T, 1, 3>(p, visible, vals, nt, hd, h, c0, out, pf), (1, 4) => cols::<T, 1, 4>(p, visible, vals, nt, hd, h, c0, out, pf),
-                            (2, 1) => cols::<T, 2, 1>(p, visible, vals, nt, hd, h, c0, out, pf), (2, 2) => cols::<T, 2, 2>(p, visible, vals, nt, hd, h, c0, out, pf), (2, 3) => cols::<T, 2, 3>(p, visible, vals, nt, hd, h, c0, out, pf), (2, 4) => cols::<T, 2, 4>(p, visible, vals, nt, hd, h, c0, out, pf),
-                            (3, 1) => cols::<T, 3, 1>(p, visible, vals, nt, hd, h, c0, out, pf), (3, 2) => cols::<T, 3, 2>(p, visible, vals, nt, hd, h, c0, out, pf), (3, 3) => cols::<T, 3, 3>(p, visible, vals, nt, hd, h, c0, out, pf), (3, 4) => cols::<T, 3, 4>(p, visible, vals, nt, hd, h, c0, out, pf),
-                            _ => unreachable!(),
-                        }
-                        h += hc;
-                    }
-                    c0 += nb * L;
-                }
-                values_cols(p, visible, vals, group, hd, c0, out)
-            }
-
-            /// Columns `c0..c0 + NB·L` of heads `h0..h0 + H`.
-            #[target_feature(enable = $feat)]
-            #[inline]
-            #[allow(clippy::too_many_arguments)]
-            unsafe fn cols<T: KvElem, const H: usize, const NB: usize>(p: &[f32], visible: usize, vals: &[T], nt: usize, hd: usize, h0: usize, c0: usize, out: &mut [f32], pf: *const u8) {
-                debug_assert!(c0 + NB * L <= hd && vals.len() >= nt * hd && NB <= $nb_max);
-                let o = out.as_mut_ptr().add(h0 * hd + c0);
-                let mut acc = [[$zero(); NB]; H];
-                for (c, a) in acc.iter_mut().enumerate() {
-                    for b in 0..NB {
-                        a[b] = $load(o.add(c * hd + b * L));
-                    }
-                }
-                let (pp, v) = (p.as_ptr().add(h0 * visible), vals.as_ptr().add(c0));
-                let sz = std::mem::size_of::<T>();
-                for t in 0..nt {
-                    prefetch_row(pf, (t * hd + c0) * sz, NB * L * sz);
-                    let row = v.add(t * hd);
-                    let mut vv = [$zero(); NB];
-                    for (b, x) in vv.iter_mut().enumerate() {
-                        *x = load(row.add(b * L));
-                    }
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        let pv = $set1(*pp.add(c * visible + t));
-                        for b in 0..NB {
-                            a[b] = $fma(pv, vv[b], a[b]);
-                        }
-                    }
-                }
-                for (c, a) in acc.iter().enumerate() {
-                    for b in 0..NB {
-                        $store(o.add(c * hd + b * L), a[b]);
-                    }
-                }
-            }
-        }
-    };
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn widen512(x: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(x)))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn widen256(x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(x)))
-}
-
-#[cfg(target_arch = "x86_64")]
-decode_kernels!(x512, "avx512f,avx512bw,avx2,fma", __m512, 16, 4, _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_storeu_ps, super::widen512, __m256i, _mm256_loadu_si256);
-#[cfg(target_arch = "x86_64")]
-decode_kernels!(x256, "avx2,fma", __m256, 8, 3, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_storeu_ps, super::widen256, __m128i, _mm_loadu_si128);
-
-/// Ask L2 for bytes `off..off + len` of the block at `next` (nothing if null): the lines a
-/// decode kernel's row of the next block covers.
-#[inline(always)]
-fn prefetch_row(next: *const u8, off: usize, len: usize) {
-    if !next.is_null() {
-        prefetch_l2(next.wrapping_add(off), len);
-    }
-}
-
-/// Ask L2 for the `n` elements at `p` (one prefetch per 64-byte line; a no-op elsewhere).
-#[inline(always)]
-pub(crate) fn prefetch_l2<T>(p: *const T, n: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for i in (0..n).step_by(64 / std::mem::size_of::<T>()) {
-        // Safety: prefetch never faults; the address is only a hint.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.wrapping_add(i) as *const i8) };
-    }
-}
-
-pub use super::simd::dot;
-
-#[inline]
-pub fn softmax_inplace(x: &mut [f32]) {
-    let m = super::simd::max(x);
-    let inv = 1.0 / super::simd::exp_sub_sum(x, m);
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::gemm_bf16::f32_to_bf16_bits;
+    use crate::backend::cpu::bf16::f32_to_bf16_bits;
 
     /// Causal GQA attention in f64 for the last `n_q` rows of a sequence whose K and V are `qkv`
     /// rows `row0..row0 + len` (K and V rounded to bf16 first when `bf16`).
@@ -889,7 +552,7 @@ mod tests {
                     for (row, &slot) in slots[..n].iter().enumerate() {
                         for d in 0..20 {
                             let (k, v) = (value(row, g.q_dim() + h * 20 + d), value(row, g.q_dim() + g.kv_dim() + h * 20 + d));
-                            let r = |x: f32| if bf16 { f32::from_bits((super::super::gemm_bf16::f32_to_bf16_bits(x) as u32) << 16) } else { x };
+                            let r = |x: f32| if bf16 { f32::from_bits((crate::backend::cpu::bf16::f32_to_bf16_bits(x) as u32) << 16) } else { x };
                             assert_eq!(kt[d * 80 + slot as usize], r(k), "bf16 {bf16}, {n} rows: key of row {row} (slot {slot}, head {h}, d {d})");
                             assert_eq!(vv[slot as usize * 20 + d], r(v), "bf16 {bf16}, {n} rows: value of row {row} (slot {slot}, head {h}, d {d})");
                         }
@@ -968,7 +631,7 @@ mod tests {
                     // bf16 rows on `attention_bf16` (fed rows; sampled rows where `decode_usable`)
                     // round Q (in the reference too) and the softmax numerators (each by ≤ 2⁻⁸
                     // relative, so the output by ≤ 2⁻⁸·max|v| = 2⁻⁷)
-                    let rounded = bf16 && bf16_attn::usable(hd) && (!seqs[i].sampled || bf16_attn::decode_usable(hd, ps));
+                    let rounded = bf16 && tiled::usable(hd) && (!seqs[i].sampled || decode_usable(hd, ps));
                     let tol = if rounded { 2f64.powi(-7) + 2e-5 } else { 2e-5 };
                     let want = reference(&qkv, g, starts[i], lens[i], n_q[i], bf16, rounded);
                     let got = &out[(starts[i] + lens[i] - n_q[i]) * g.q_dim()..][..n_q[i] * g.q_dim()];
@@ -979,56 +642,4 @@ mod tests {
         }
     }
 
-    /// The decode kernels give the same bits on every path (AVX-512, AVX2, one key or column at a
-    /// time), for both element types: what makes a run's numbers independent of the CPU's vector
-    /// width. Pages of 64 and 24 keys, heads 1–4 of a group, head sizes 64 and 40.
-    #[test]
-    fn decode_kernels_agree_bit_for_bit_across_paths() {
-        fn check<T: KvElem>(group: usize, hd: usize, ps: usize, nt: usize) {
-            let mut st = 99u64;
-            let mut rnd = || {
-                st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((st >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            };
-            let q: Vec<f32> = (0..group * hd).map(|_| rnd()).collect();
-            let kt: Vec<T> = (0..hd * ps).map(|_| T::round(rnd())).collect();
-            let vals: Vec<T> = (0..nt * hd).map(|_| T::round(rnd())).collect();
-            let visible = nt + 5;
-            let p: Vec<f32> = (0..group * visible).map(|_| rnd().abs()).collect();
-            let run_scores = |path: usize| {
-                let mut out = vec![f32::NAN; group * visible];
-                let sc = Scores { q: &q, group, hd, scale: 0.125, out: &mut out, visible, t0: 3, next: std::ptr::null() };
-                match path {
-                    // Safety: the features are checked before these paths run.
-                    0 => unsafe { x512::scores(sc, &kt, ps, nt) },
-                    1 => unsafe { x256::scores(sc, &kt, ps, nt) },
-                    _ => scores_keys(sc, &kt, ps, 0, nt),
-                }
-                out
-            };
-            let run_values = |path: usize| {
-                let mut out: Vec<f32> = (0..group * hd).map(|i| i as f32 * 0.01).collect();
-                match path {
-                    // Safety: as above.
-                    0 => unsafe { x512::values(&p[2..], visible, &vals, group, hd, &mut out, std::ptr::null()) },
-                    1 => unsafe { x256::values(&p[2..], visible, &vals, group, hd, &mut out, std::ptr::null()) },
-                    _ => values_cols(&p[2..], visible, &vals, group, hd, 0, &mut out),
-                }
-                out
-            };
-            let (s_ref, v_ref) = (run_scores(2), run_values(2));
-            assert!(s_ref[3..3 + nt].iter().all(|x| x.is_finite()));
-            let paths = [crate::backend::cpu::simd::has_avx512f(), crate::backend::cpu::simd::has_avx2_fma()];
-            for (path, _) in paths.iter().enumerate().filter(|(_, &has)| has) {
-                let (s, v) = (run_scores(path), run_values(path));
-                let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same(&s, &s_ref), "scores, path {path}, group {group}, hd {hd}, page {ps}, {nt} keys");
-                assert!(same(&v, &v_ref), "values, path {path}, group {group}, hd {hd}, page {ps}, {nt} keys");
-            }
-        }
-        for (group, hd, ps, nt) in [(3, 64, 64, 64), (3, 64, 64, 37), (4, 40, 24, 24), (1, 64, 24, 7), (2, 40, 64, 50)] {
-            check::<f32>(group, hd, ps, nt);
-            check::<u16>(group, hd, ps, nt);
-        }
-    }
 }
