@@ -77,7 +77,7 @@ fn prefill_attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention");
     g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(rows as u64)); // tokens
-    // f32, and bf16 (its cache; on CPUs with AMX or AVX512_BF16 the bf16 attention of `attention_bf16`)
+    // f32, and bf16 (its cache; on CPUs with AMX or AVX512_BF16 the bf16 attention of `attention::tiled`)
     for (name, be) in [("f32", CpuBackend::new()), ("bf16", CpuBackend::with_weights(WeightDtype::Bf16))] {
         let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
         let slots: Vec<u32> = (0..rows as u32).collect(); // sequence s owns pages s·8 .. s·8+8
@@ -204,7 +204,7 @@ fn lora_products(c: &mut Criterion) {
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
         g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx), None)));
         // `--dtype bf16`'s: bf16 operands, f32 sums (AMX tiles, else `vdpbf16ps`, else the f32
-        // kernel on rounded values: `lora::products_bf`)
+        // kernel on rounded values: `bf16::thin::products_bf`)
         g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
         g.bench_function(format!("forward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bf16(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));

@@ -1,5 +1,5 @@
 //! The CPU backend's buffer: f32 values, or — under `--dtype bf16` — a frozen weight matrix
-//! rounded once to bf16 and packed for the `vdpbf16ps` kernels (`gemm_bf16`). Everything else
+//! rounded once to bf16 and packed for the `vdpbf16ps` kernels (`cpu::bf16`). Everything else
 //! (activations, the residual stream, norms, biases, the KV cache, logits, LoRA parameters,
 //! gradients, optimizer moments) stays f32 in either mode: the policy of the CUDA backend, stated
 //! once in docs/DESIGN.md §3.
@@ -75,7 +75,7 @@ impl PackedWeight {
         }
         // one tile per task, each on its own thread's kernel call, written straight into its
         // columns of `out` (through a scratch and a copy the head of a decode step took ~10 %
-        // longer): the per-row results do not depend on the split (gemm_bf16's guarantee), so
+        // longer): the per-row results do not depend on the split (`cpu::bf16`'s guarantee), so
         // neither do these
         assert!(x.len() >= m * k && out.len() >= m * n, "PackedWeight::matmul: buffer too small");
         assert!(bias.is_none_or(|b| b.len() >= n), "PackedWeight::matmul: bias shorter than {n}");
@@ -123,7 +123,7 @@ impl PackedWeight {
 pub struct CpuBuf {
     v: Vec<f32>,
     packed: Option<Box<PackedWeight>>,
-    /// A LoRA parameter's bf16 operands under `--dtype bf16` (`lora::Shadow`): made on first
+    /// A LoRA parameter's bf16 operands under `--dtype bf16` (`bf16::thin::Shadow`): made on first
     /// use, dropped by any write (`deref_mut`).
     shadow: Shadow,
 }

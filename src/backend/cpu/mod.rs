@@ -1,12 +1,12 @@
 //! The CPU backend: f32 on host memory, rayon across cores, our AVX-512 GEMM (or the `gemm`
 //! crate) for large products and hand-written kernels for the rest. One file per op family
-//! (forward and backward together, the table in `backend/mod.rs`); this file only routes the
-//! trait methods to them.
+//! (forward and backward together, the table in `backend/mod.rs`); the larger families are rooms:
+//! `bf16/` (the bf16-weight products, one file per microkernel) and `attention/` (paged, decode,
+//! tiled). Shared below them: `simd` (vector loops), `par` (splitting work across threads),
+//! `arena` (packed weights on huge pages). This file only routes the trait methods to them.
 pub(crate) mod arena;
 pub mod attention;
-/// The CUDA emulator's tests name the dense attention (their CPU twin) by this path.
-#[cfg(all(test, feature = "cuda"))]
-pub(crate) use attention::dense as attention_dense;
+pub mod attention_dense;
 pub mod buf;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm512;
@@ -35,7 +35,7 @@ use buf::PackedWeight;
 pub enum WeightDtype {
     /// f32, as loaded.
     F32,
-    /// bf16 (rounded once at load), products with f32 accumulation (`gemm_bf16`).
+    /// bf16 (rounded once at load), products with f32 accumulation (`cpu::bf16`).
     Bf16,
 }
 
@@ -361,12 +361,12 @@ impl TrainBackend for CpuBackend {
     }
     fn attn_dense(&self, qkv: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention::dense::attn_dense(qkv, seqs, g, out, lse, self.weights == WeightDtype::Bf16);
+        attention_dense::attn_dense(qkv, seqs, g, out, lse, self.weights == WeightDtype::Bf16);
         Ok(())
     }
     fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention::dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == WeightDtype::Bf16);
+        attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == WeightDtype::Bf16);
         Ok(())
     }
     fn rmsnorm_bwd(&self, x: &CpuBuf, w: &CpuBuf, dy: &CpuBuf, eps: f32, rows: usize, d: usize, dx: &mut CpuBuf, accumulate: bool) -> Result<()> {
@@ -509,7 +509,7 @@ mod tests {
         (0..n).map(|_| rng.normal() as f32).collect()
     }
 
-    /// A LoRA parameter's bf16 copies (`lora::Shadow`, kept in its `CpuBuf` under `--dtype
+    /// A LoRA parameter's bf16 copies (`bf16::thin::Shadow`, kept in its `CpuBuf` under `--dtype
     /// bf16`) follow its values: after `write` and after an in-place update through `&mut` (as
     /// AdamW's), the fused forward and backward, on decode- and prefill-sized row counts, give
     /// the bits of fresh buffers (no copies yet) holding the new values.

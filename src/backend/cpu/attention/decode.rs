@@ -6,16 +6,16 @@
 //! element types; bf16 pages on a CPU with AVX512_BF16 take `decode_row` instead, on bf16 operands
 //! with f32 sums (`vdpbf16ps`), as the fed rows (`tiled`) and the CUDA kernel, so a sampled token's
 //! log-prob equals its score.
-use crate::backend::cpu::par::prefetch_l2;
-use crate::backend::cpu::bf16::vdp_available;
 use super::tiled::{softmax_row, to_pairs, T};
+use crate::backend::cpu::bf16::vdp_available;
+use crate::backend::cpu::par::prefetch_l2;
 use std::cell::RefCell;
 
 /// A KV page's element: f32 (`--dtype f32`), or bf16 bits (`--dtype bf16`, the CUDA backend's
 /// policy: half the bytes every decode step streams; values rounded once, to nearest even, as
 /// they are stored; the arithmetic stays f32).
 pub trait KvElem: Copy + Default + Send + Sync + 'static {
-    /// bf16 pages: fed rows run on bf16 operands where the CPU has AMX or AVX512_BF16 (`attention_bf16`).
+    /// bf16 pages: fed rows run on bf16 operands where the CPU has AMX or AVX512_BF16 (`attention::tiled`).
     const BF16: bool;
     /// `x` as stored (bf16: rounded to nearest even).
     fn round(x: f32) -> Self;
@@ -154,7 +154,7 @@ pub(super) fn values_cols<T: KvElem>(p: &[f32], visible: usize, vals: &[T], grou
 macro_rules! decode_kernels {
     ($m:ident, $feat:literal, $v:ty, $lanes:literal, $nb_max:literal, $zero:ident, $set1:ident, $fma:ident, $load:ident, $store:ident, $wide:path, $bf16_load:ty, $bf16_loadu:ident) => {
         mod $m {
-            use super::{prefetch_row, scores_keys, values_cols, KvElem, Scores};
+            use crate::backend::cpu::attention::decode::{prefetch_row, scores_keys, values_cols, KvElem, Scores};
             use std::arch::x86_64::*;
             const L: usize = $lanes;
 
@@ -313,9 +313,9 @@ unsafe fn widen256(x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256 {
 }
 
 #[cfg(target_arch = "x86_64")]
-decode_kernels!(x512, "avx512f,avx512bw,avx2,fma", __m512, 16, 4, _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_storeu_ps, super::widen512, __m256i, _mm256_loadu_si256);
+decode_kernels!(x512, "avx512f,avx512bw,avx2,fma", __m512, 16, 4, _mm512_setzero_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_storeu_ps, crate::backend::cpu::attention::decode::widen512, __m256i, _mm256_loadu_si256);
 #[cfg(target_arch = "x86_64")]
-decode_kernels!(x256, "avx2,fma", __m256, 8, 3, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_storeu_ps, super::widen256, __m128i, _mm_loadu_si128);
+decode_kernels!(x256, "avx2,fma", __m256, 8, 3, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_storeu_ps, crate::backend::cpu::attention::decode::widen256, __m128i, _mm_loadu_si128);
 
 /// Ask L2 for bytes `off..off + len` of the block at `next` (nothing if null): the lines a
 /// decode kernel's row of the next block covers.
@@ -478,7 +478,7 @@ thread_local! {
 /// `unshuffle` puts the sums back in element order.
 #[cfg(target_arch = "x86_64")]
 mod decode_x512 {
-    use super::T;
+    use crate::backend::cpu::attention::tiled::T;
     use std::arch::x86_64::*;
 
     #[inline(always)]

@@ -11,10 +11,10 @@
 //! `S = Q Kᵀ` (GEMM), causal mask, softmax in f32, `O = P V` (GEMM); only a `[block, ctx]` score
 //! tile exists at a time, never `[T, T]`. Decode rows (a few queries) read K and V straight from
 //! the pages (`decode`): a gather would copy the whole context per step.
+use super::decode::{decode_row, decode_usable, scores_page, softmax_inplace, values_page, KvElem, Scores};
+use super::tiled;
 use crate::backend::cpu::matmul::gemm_raw;
 use crate::backend::cpu::par::{prefetch_l2, SendPtr};
-use super::tiled;
-use super::decode::{decode_row, decode_usable, scores_page, softmax_inplace, values_page, KvElem, Scores};
 use crate::backend::{AttnGeom, AttnSeq};
 use rayon::prelude::*;
 
@@ -236,7 +236,7 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
     let scale = 1.0 / (hd as f32).sqrt();
     let outp = SendPtr(out.as_mut_ptr());
     let tasks: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..g.n_kv_heads).map(move |h| (s, h))).collect();
-    // bf16 with AMX or AVX512_BF16: fed rows on `attention_bf16`, sampled rows direct (on bf16
+    // bf16 with AMX or AVX512_BF16: fed rows on `attention::tiled`, sampled rows direct (on bf16
     // operands too where `decode_usable`: `attend_direct`), whatever their number (a row's bits
     // must not depend on how a prompt was chunked); otherwise both kernels give the same bits and
     // the row count chooses
@@ -308,7 +308,7 @@ fn attention_pages<T: KvElem>(kv: &KvPages<T>, layer: usize, qkv: &[f32], seqs: 
 }
 
 impl<T: KvElem> KvPages<T> {
-    /// Prefill rows of one (sequence, kv head) on bf16 operands (`attention_bf16`: Q and the softmax
+    /// Prefill rows of one (sequence, kv head) on bf16 operands (`attention::tiled`: Q and the softmax
     /// numerators rounded to bf16, as the CUDA backend's tensor-core attention does); K and V are
     /// packed straight from the pages.
     #[allow(clippy::too_many_arguments)]
@@ -329,7 +329,7 @@ impl<T: KvElem> KvPages<T> {
         let scale = 1.0 / (hd as f32).sqrt();
         let (kb, vb) = (block(&g, layer, 0, kvh), block(&g, layer, 1, kvh));
         // Kᵀ panels: word (pair q, key j) = K[j][2q], K[j][2q+1]; V panels: word (pair q of keys,
-        // column c) = V[2q][c], V[2q+1][c] (see attention_bf16's operand layout); panels of pw
+        // column c) = V[2q][c], V[2q+1][c] (see `attention::tiled`'s operand layout); panels of pw
         let pw = tiled::T;
         let (kp, np) = (hd / 2, n.next_multiple_of(pw) / 2);
         kt.clear();
@@ -439,7 +439,7 @@ impl<T: KvElem> KvPages<T> {
         prefetch_l2(next(0).unwrap(), block_len);
         if let Some(kv16) = as_bf16(self) {
             if decode_usable(hd, ps) {
-                // bf16 operands, as the fed rows (`attention_bf16`) and the CUDA kernel: a sampled
+                // bf16 operands, as the fed rows (`attention::tiled`) and the CUDA kernel: a sampled
                 // token's log-prob then equals its score. The f32 kernels below were bound by
                 // their FMAs with K and V in cache (8 rows × 384 keys, one layer: 69.8 → 42.4 µs,
                 // `cargo bench --bench kernels -- "decode attention"`)
@@ -592,7 +592,7 @@ mod tests {
 
     /// Decode rows (the direct kernels: 1–4 vectors of keys or columns × 1–3 heads, the tail
     /// keys and columns one at a time, group sizes 3, 2, 1, 8 and 7; with bf16 pages of 32 and
-    /// 64 keys and heads of 64 and 128 also `attention_bf16::decode_row`, odd context lengths
+    /// 64 keys and heads of 64 and 128 also `attention::decode::decode_row`, odd context lengths
     /// included) and prefill rows (gather + GEMM) against f64, with the f32 and the bf16 cache,
     /// across pages of 16, 64 and 20 (not a whole number of vectors).
     #[test]
@@ -628,7 +628,7 @@ mod tests {
                 let mut out = vec![f32::NAN; rows * g.q_dim()];
                 attention(&kv, 0, &qkv, &seqs, &mut out);
                 for i in 0..lens.len() {
-                    // bf16 rows on `attention_bf16` (fed rows; sampled rows where `decode_usable`)
+                    // bf16 rows on `attention::tiled` (fed rows; sampled rows where `decode_usable`)
                     // round Q (in the reference too) and the softmax numerators (each by ≤ 2⁻⁸
                     // relative, so the output by ≤ 2⁻⁸·max|v| = 2⁻⁷)
                     let rounded = bf16 && tiled::usable(hd) && (!seqs[i].sampled || decode_usable(hd, ps));

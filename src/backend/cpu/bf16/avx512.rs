@@ -107,7 +107,7 @@ unsafe fn kernel<const R: usize, const P: usize, const PF: bool>(t: &Tile) {
     }
 }
 
-/// `C = A · B` on the `vdpbf16ps` kernel, for operands in the AMX layout (`attention_bf16`): A's
+/// `C = A · B` on the `vdpbf16ps` kernel, for operands in the AMX layout (`attention::tiled`): A's
 /// first `m` rows of `pairs` pair words (row stride `lda`), `panels` panels of B (`pstride` words
 /// apart, `[pairs][NR]` each), C's `m` × `panels·NR` block stored (row stride `ldc`; its rows
 /// past `m` untouched), or with `add` added to C (`C += A · B`). One k block from +0, so each element is the kernel's pair sequence over

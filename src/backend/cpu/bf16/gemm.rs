@@ -13,14 +13,18 @@
 //! and output panel, from the forward layout into the same block-major panel format (a shuffle of
 //! bf16 words, no rounding; in parallel, into the calling thread's scratch, 2·n·k bytes; O(n·k) per
 //! call against O(m·n·k) products), and the tasks run the same kernel on it.
-use crate::backend::cpu::arena::Line;
-use crate::backend::cpu::par::SendPtr;
-use super::kernel::*;
-use super::pack::*;
+use super::kernel::{Kernel, Micro};
+use super::pack::{f32_to_bf16_bits, k_block_pairs, plain_fma_exact, PackedBf16, AMX_MR, MR, NR, TILE_STEP};
 use super::portable::Tile;
 use super::thin::{BfB, Out};
 #[cfg(target_arch = "x86_64")]
-use super::{amx, avx2, avx512};
+use super::amx;
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
+#[cfg(target_arch = "x86_64")]
+use super::avx512;
+use crate::backend::cpu::arena::Line;
+use crate::backend::cpu::par::SendPtr;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
@@ -209,7 +213,7 @@ pub(crate) unsafe fn matmul_dx_bf16_hooked(dy: &[f32], w: &PackedBf16, m: usize,
 
 /// A low-rank term added to a column slice of a product's output, strip by strip while the
 /// strip's rows are in cache (a LoRA pair fused into the GEMM; see `lora::matmul_lora`):
-/// `C[i, col0 + j] += alpha · Σ_l bf(u[i, l]) · B[l, j]` for `j < ncols` (`lora::product_bf`,
+/// `C[i, col0 + j] += alpha · Σ_l bf(u[i, l]) · B[l, j]` for `j < ncols` (`bf16::thin::product_bf`,
 /// B `[r, ncols]` rounded once), after the element's GEMM sums and bias. Without the GEMM's rows
 /// in cache this read-modify-write of C was ~a quarter of the LoRA products' time.
 pub(crate) struct Tail {

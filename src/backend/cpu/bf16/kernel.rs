@@ -158,7 +158,7 @@ pub fn amx_available() -> bool {
 /// The AMX tile state held for a scope: configured by `new` where this process may use AMX
 /// (`amx_available`), released on drop (a thread without tile state has smaller context
 /// switches and signal frames); nothing elsewhere. Tile products inside the scope need not
-/// configure (`lora::product_bf(…, configured: true)`, the bf16 attention's `Products`).
+/// configure (`bf16::thin::product_bf(…, configured: true)`, the bf16 attention's `Products`).
 pub(crate) struct Tiles(bool);
 
 impl Tiles {

@@ -9,8 +9,8 @@
 //! it front to back); 64-byte aligned, on 2 MiB pages (placed back to back with the model's other
 //! matrices: `arena`). 2·n·k bytes plus padding: no second copy (`dy · W` repacks, see `gemm`).
 use crate::backend::cpu::arena::Lines;
-use half::bf16;
 use crate::backend::cpu::par::SendPtr;
+use half::bf16;
 use rayon::prelude::*;
 
 /// Output columns per packed panel: two 16-lane f32 accumulators per row.

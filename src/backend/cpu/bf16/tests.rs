@@ -2,8 +2,8 @@ use super::gemm::*;
 use super::kernel::*;
 use super::pack::*;
 use super::portable::*;
-use half::bf16;
 use crate::util::rng::Rng;
+use half::bf16;
 
 const U: f64 = 1.0 / (1u64 << 24) as f64; // unit roundoff of f32
 

@@ -2,9 +2,9 @@
 //! would spend more on packing than on the product. `product` is the unpacked f32 kernel
 //! (AVX-512, or its AVX2 twin): `C (+)= α·A·B` with B's rows contiguous and A read by broadcasts at
 //! any strides. Under `--dtype bf16`, `products_bf` takes bf16 operands and sums in f32 (below).
-use crate::backend::cpu::arena::Line;
 use super::kernel::{amx_available, vdp_available};
 use super::pack::f32_to_bf16_bits;
+use crate::backend::cpu::arena::Line;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -35,7 +35,7 @@ thread_local! {
 /// The right operand `B [kk, n]` of a bf16 LoRA product, rounded once. With AMX or AVX512_BF16
 /// (`panels`): panels of 32 columns, each `pairs` pair rows of 32 words, `bf(B[2q, j]) |
 /// bf(B[2q+1, j]) << 16` (`pairs` = ⌈kk/2⌉ up to a multiple of 16; zero past kk and n): the tile
-/// and `vdpbf16ps` kernels' B operand, as `gemm_bf16`'s packed panels. Without: the rounded
+/// and `vdpbf16ps` kernels' B operand, as `cpu::bf16`'s packed panels. Without: the rounded
 /// values as f32 `[kk, n]`.
 pub(crate) struct BfB {
     pub(crate) kk: usize,
@@ -163,7 +163,7 @@ pub(crate) unsafe fn products_bf(m: usize, a: *const f32, a_rs: usize, a_cs: usi
 }
 
 /// `products_bf` on pair words (A converted into `buf`): per 32-row strip and 32-column panel,
-/// the block's sums on AMX tiles, else on the `vdpbf16ps` kernel (`gemm_bf16::vdp_product`, or
+/// the block's sums on AMX tiles, else on the `vdpbf16ps` kernel (`bf16::avx512::vdp_product`, or
 /// `vdp_half` for a half panel: the strip's rows and B's pairs only), then scaled into C. Without
 /// AMX this replaced the f32 kernel after a scalar rounding pass, which had cost a `vdpbf16ps`
 /// training step ~5 %.
@@ -273,7 +273,7 @@ pub(crate) fn op<'a>(cell: Option<&'a OnceLock<BfB>>, kk: usize, n: usize, make:
 /// The bf16 operands' conversions (AVX512F/BW, which AMX implies).
 #[cfg(target_arch = "x86_64")]
 mod x512 {
-    use super::super::avx512::round16;
+    use crate::backend::cpu::bf16::avx512::round16;
     use std::arch::x86_64::*;
 
     fn mask(n: usize) -> __mmask16 {
@@ -337,7 +337,7 @@ mod x512 {
 
     /// `C[m, 16] = A · B` on `vdpbf16ps` for half a panel: A's rows of pair words (`lda` apart;
     /// rows up to the next multiple of 8 readable), `kb` pair rows of B's 16 words (a panel's
-    /// rows, 32 words apart), C's `m` rows `ldc` apart. Each element is `gemm_bf16::vdp_product`'s
+    /// rows, 32 words apart), C's `m` rows `ldc` apart. Each element is `bf16::avx512::vdp_product`'s
     /// chain (from +0, pair after pair), so the bits of the whole panel's product; a rank-16
     /// operand fills only half of a 32-column panel, which the whole-panel kernel computes anyway.
     ///
@@ -441,7 +441,7 @@ macro_rules! product_kernels {
         $zero:ident, $set1:ident, $fma:ident, $mul:ident, $add:ident, tiles { $($nv:literal: $($r:literal)*;)* }
     ) => {
         mod $m {
-            use super::Prod;
+            use crate::backend::cpu::bf16::thin::Prod;
             use std::arch::x86_64::*;
             const L: usize = $lanes;
 

@@ -1,5 +1,5 @@
 use super::super::decode::{decode_row, decode_usable};
-use crate::backend::cpu::attention::dense::attn_dense;
+use crate::backend::cpu::attention_dense::attn_dense;
 use crate::backend::cpu::bf16::f32_to_bf16_bits;
 use crate::backend::{AttnGeom, DenseSeq};
 use crate::util::rng::Rng;
@@ -250,7 +250,7 @@ fn transposes_match_their_definitions() {
 /// bits it gets in the batch.
 #[test]
 fn dense_backward_matches_f32_twin_and_is_batch_invariant() {
-    use crate::backend::cpu::attention::dense::attn_dense_bwd;
+    use crate::backend::cpu::attention_dense::attn_dense_bwd;
     if not_here() {
         return;
     }

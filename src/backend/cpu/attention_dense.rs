@@ -3,13 +3,12 @@
 //! straight from the fused `qkv` rows (strided GEMMs, no gather), in tiles of `BQ` query rows ×
 //! the visible keys, so only a `[BQ, ctx]` score tile exists at a time. The forward keeps each
 //! row's log-sum-exp; the backward recomputes `P = exp(S − lse)` from it (flash-attention style).
-use super::paged::{stack_group, unstack_group};
-use crate::backend::cpu::par::prefetch_l2;
-use super::tiled;
-use crate::backend::cpu::matmul::gemm_raw;
-use crate::backend::cpu::par::SendPtr;
-use crate::backend::cpu::memory::transpose;
-use crate::backend::cpu::simd::{dot, exp_scaled_sub, exp_sub_sum, simd_kernel};
+use super::attention::paged::{stack_group, unstack_group};
+use super::attention::tiled;
+use super::matmul::gemm_raw;
+use super::memory::transpose;
+use super::par::{prefetch_l2, SendPtr};
+use super::simd::{dot, exp_scaled_sub, exp_sub_sum, simd_kernel};
 use crate::backend::{AttnGeom, DenseSeq};
 use rayon::prelude::*;
 
@@ -33,7 +32,7 @@ simd_kernel! {
 }
 
 /// `bf16`: `--dtype bf16`, whose attention runs on bf16 operands where the CPU has AMX or
-/// AVX512_BF16 (`attention_bf16`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
+/// AVX512_BF16 (`attention::tiled`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
 pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32], bf16: bool) {
     if bf16 && tiled::usable(g.head_dim) {
         return attn_dense_bf16(qkv, seqs, g, out, lse);
@@ -89,7 +88,7 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
 }
 
 /// `attn_dense` on bf16 operands: per (sequence, kv head) K and V packed once, then blocks of `BQ`
-/// query rows of all the group's heads (`attention_bf16::forward`).
+/// query rows of all the group's heads (`attention::tiled::forward`).
 fn attn_dense_bf16(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
@@ -116,7 +115,7 @@ fn attn_dense_bf16(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32],
     });
 }
 
-/// `bf16`: as in `attn_dense` (`attention_bf16::backward`).
+/// `bf16`: as in `attn_dense` (`attention::tiled::backward`).
 #[allow(clippy::too_many_arguments)]
 pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32], bf16: bool) {
     if bf16 && tiled::usable(g.head_dim) {
@@ -192,7 +191,7 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
 }
 
 /// `attn_dense_bwd` on bf16 operands: per (sequence, kv head) K and V packed once, then blocks of `BQ`
-/// query rows of all the group's heads (`attention_bf16::backward`); dK and dV accumulate over the
+/// query rows of all the group's heads (`attention::tiled::backward`); dK and dV accumulate over the
 /// blocks in f32 and are written once at the end.
 fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
