@@ -8,8 +8,7 @@
 //! where such a range lies inside it; SmolLM2's matrices (the head in tiles of 1.2 MB, the layers'
 //! 0.7–3.5 MB) had none (`AnonHugePages: 0 kB` in a decode run). Placed back to back in chunks
 //! that start on 2 MiB and are advised `MADV_HUGEPAGE` before the first write, all of them are.
-//! Measured on a 2-core AMD EPYC Zen 4 VM (8 rows × 576 × 49152 streamed from DRAM, the same
-//! kernel, `madvise` on and off in turn): 31.2 / 31.5 GiB/s on 2 MiB pages, 26.8 / 26.4 on 4 KiB.
+//! (The measurement: docs/log/code-notes.md.)
 //!
 //! A chunk is `CHUNK` bytes of address space; only the pages written become memory (so its
 //! unused tail costs nothing, its last matrix at most part of one 2 MiB page). A chunk is

@@ -20,14 +20,11 @@
 //! the forward, dy in the backward: each read from memory once for the GEMM and the pairs), and
 //! the pairs on one input (q/k/v, gate/up) read x once for all of them (`bwd_pairs`). Under
 //! `--dtype bf16` (`lora_bf16`, `lora_bwd_bf16`, the fused ops) every one of them reads bf16
-//! operands and sums in f32, as CUDA's (`products_bf`, below): on AMX a tile product per 32-row
+//! operands and sums in f32, as CUDA's (`products_bf`): on AMX a tile product per 32-row
 //! strip and 32-column panel (without AMX, the `vdpbf16ps` kernel on the same operands where
 //! AVX512_BF16 is, else the f32 kernel on rounded values), B rounded once (`BfB`; A's and B's
 //! kept in their `CpuBuf`s, `Shadow`), the m-reductions (dA, dB) with the block's rows as B's
-//! pairs. Measured on a 2-core Xeon with AMX (2026-12-05, alternated with the f32-product
-//! binary): `bench --work train --dtype bf16` +5–9 %, decode with a rank-16 adapter +10 % (the
-//! f32 `lora_few` it replaces); without AMX (`INFOMEM_AMX=0`) that train step is ~3 % behind the
-//! f32 products (docs/RESULTS.md).
+//! pairs (`src/backend/cpu/bf16/thin.rs`; measurements: docs/log/code-notes.md).
 use super::bf16::thin::{op, product, product_bf, products_bf, BfB, Op, Out, Shadow};
 use super::bf16::{matmul_bf16_tails, matmul_bf16_with, matmul_dx_bf16_hooked, matmul_dx_bf16_tails, matmul_swiglu_bf16_tails, swiglu_fusable, Kernel, PackedBf16, RowHook, Tail, TailU, Tiles};
 use super::par::SendPtr;
