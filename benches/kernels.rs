@@ -1,13 +1,13 @@
 //! Kernel micro-benchmarks on SmolLM2-135M's shapes (2 threads here): our AVX-512 GEMM against
 //! the `gemm` crate, prefill and decode attention (f32 and bf16 KV cache), and the training
 //! attention forward/backward; the LoRA products; the bf16
-//! weight kernels (`gemm_bf16`) against f32, and the machine's limits they are measured against
+//! weight kernels (`cpu::bf16`) against f32, and the machine's limits they are measured against
 //! (streaming read bandwidth, `vdpbf16ps` and f32 FMA peaks).
 //!
 //! `cargo bench --bench kernels` (add a filter, e.g. `-- gemm`). Whole-model figures against
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use infomem_engine::backend::cpu::gemm_bf16::{self, matmul_bf16, matmul_bf16_with, matmul_dx_bf16, matmul_dx_bf16_with, Kernel, PackedBf16};
+use infomem_engine::backend::cpu::bf16::{self, matmul_bf16, matmul_bf16_with, matmul_dx_bf16, matmul_dx_bf16_with, Kernel, PackedBf16};
 use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend, WeightDtype};
 use infomem_engine::backend::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
@@ -77,7 +77,7 @@ fn prefill_attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention");
     g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(rows as u64)); // tokens
-    // f32, and bf16 (its cache; on CPUs with AMX or AVX512_BF16 the bf16 attention of `attention_bf16`)
+    // f32, and bf16 (its cache; on CPUs with AMX or AVX512_BF16 the bf16 attention of `attention::tiled`)
     for (name, be) in [("f32", CpuBackend::new()), ("bf16", CpuBackend::with_weights(WeightDtype::Bf16))] {
         let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
         let slots: Vec<u32> = (0..rows as u32).collect(); // sequence s owns pages s·8 .. s·8+8
@@ -143,7 +143,7 @@ fn gemm_bf16(c: &mut Criterion) {
         if n == 960 {
             // the fallback for CPUs without AVX512_BF16 (same bits, f32 FMAs)
             g.bench_function(format!("bf16 portable x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, Kernel::Portable, true)));
-            if gemm_bf16::avx2_available() {
+            if bf16::avx2_available() {
                 // what a CPU without AVX512_BF16 runs (same bits, f32 FMAs on widened bf16)
                 g.bench_function(format!("bf16 AVX2 x·Wᵀ {m}x{k}x{n}"), |b| b.iter(|| matmul_bf16_with(&x, &pw, None, m, k, n, &mut out, Kernel::Avx2, true)));
                 g.bench_function(format!("bf16 AVX2 dy·W {m}x{n}x{k}"), |b| b.iter(|| matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut dx, false, Kernel::Avx2, true)));
@@ -204,7 +204,7 @@ fn lora_products(c: &mut Criterion) {
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
         g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx), None)));
         // `--dtype bf16`'s: bf16 operands, f32 sums (AMX tiles, else `vdpbf16ps`, else the f32
-        // kernel on rounded values: `lora::products_bf`)
+        // kernel on rounded values: `bf16::thin::products_bf`)
         g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
         g.bench_function(format!("forward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bf16(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
@@ -249,7 +249,7 @@ fn machine(c: &mut Criterion) {
     {
         use infomem_engine::backend::cpu::machine::peak;
         const ITERS: usize = 1 << 22;
-        if infomem_engine::backend::cpu::gemm_bf16::native_available() {
+        if infomem_engine::backend::cpu::bf16::native_available() {
             g.throughput(Throughput::Elements((threads * ITERS * peak::FLOPS_BF16) as u64));
             g.bench_function(format!("vdpbf16ps peak, {threads} threads"), |b| b.iter(|| rayon::broadcast(|_| unsafe { black_box(peak::bf16(ITERS)) })));
         }

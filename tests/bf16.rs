@@ -1,5 +1,5 @@
 //! `--dtype bf16` on the CPU: weight matrices rounded once to bf16, products accumulated in f32
-//! (`src/backend/cpu/gemm_bf16.rs`), everything else f32 — checked against the same PyTorch
+//! (`src/backend/cpu/bf16/`), everything else f32 — checked against the same PyTorch
 //! fixtures as the f32 path (tests/runtime_tiny.rs, tests/grpo_grad.rs), within bounds that follow
 //! from bf16's 8-bit significand, and for the invariants the f32 path has (batched equals one by
 //! one, bit for bit).
@@ -19,7 +19,7 @@
 //! what remains here is bf16's rounding. A real defect
 //! (a skipped norm, a transposed or mis-tiled weight) moves these by O(1). The kernels themselves
 //! are checked far tighter, against f64 on the same bf16-rounded inputs, in
-//! src/backend/cpu/gemm_bf16.rs.
+//! src/backend/cpu/bf16/.
 mod common;
 use common::*;
 use infomem_engine::backend::cpu::{CpuBackend, WeightDtype};
@@ -176,7 +176,7 @@ fn bf16_dropping_unwanted_rows_from_the_last_layer_keeps_the_bits() {
 #[test]
 fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
     use infomem_engine::backend::{AttnGeom, AttnSeq};
-    use infomem_engine::backend::cpu::gemm_bf16::f32_to_bf16_bits;
+    use infomem_engine::backend::cpu::bf16::f32_to_bf16_bits;
     // head_dim 20: the 16-wide loop, then 4 left over
     let g = AttnGeom { n_layers: 2, n_heads: 6, n_kv_heads: 2, head_dim: 20, page_size: 16 };
     let (w, qd) = (g.qkv_dim(), g.q_dim());
@@ -240,12 +240,12 @@ fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
 
 /// A sampled token's log-probability (a decode row) equals its teacher-forced score (a fed row)
 /// in bf16, as on CUDA where one kernel does both: decode rows run on bf16 operands like fed rows
-/// (`attention_bf16::decode_row` where `decode_usable`: tiny-qwen3's heads of 32). Only the
+/// (`attention::decode::decode_row` where `decode_usable`: tiny-qwen3's heads of 32). Only the
 /// order of a few sums differs: 4.8e-7 here. While decode rows ran the f32 kernels (Q and the
 /// softmax numerators not rounded), the two differed by up to 1.7e-2 here (6e-2 on SmolLM2).
 #[test]
 fn bf16_generated_logprobs_equal_their_scores() {
-    use infomem_engine::backend::cpu::attention_bf16::decode_usable;
+    use infomem_engine::backend::cpu::attention::decode_usable;
     use infomem_engine::runtime::ScoreRequest;
     let m = tiny_bf16("qwen3");
     let g = m.geom();

@@ -69,9 +69,9 @@ impl Dtype {
         if cuda {
             return (Dtype::Bf16, "the CUDA backend's only mode");
         }
-        if cpu::gemm_bf16::amx_available() {
+        if cpu::bf16::amx_available() {
             (Dtype::Bf16, "this CPU has AMX")
-        } else if cpu::gemm_bf16::vdp_available() {
+        } else if cpu::bf16::vdp_available() {
             (Dtype::Bf16, "this CPU has AVX512_BF16")
         } else {
             (Dtype::F32, "this CPU has neither AMX nor AVX512_BF16")

@@ -131,7 +131,7 @@ pub struct ModelConfig {
 impl ModelConfig {
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        super::weights::stat(&path)?; // a symlink loop is named as such
+        crate::util::fs::stat(&path)?; // a symlink loop is named as such
         crate::util::fs::check_regular_file(&path, "model config")?;
         let text = std::fs::read_to_string(&path).with_context(|| {
             format!("cannot read {} (is {} an HF model directory?)", path.display(), dir.display())

@@ -135,12 +135,12 @@ impl LoraAdapter {
     /// Load a PEFT LoRA directory and check it fits `cfg` (keys, ranks, shapes, target_modules).
     pub fn load(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
         if let Err(e) = std::fs::metadata(dir) {
-            if super::weights::is_symlink_loop(&e) {
+            if crate::util::fs::is_symlink_loop(&e) {
                 bail!("adapter directory {} is a symlink loop (following its symlinks never reaches a directory)", dir.display());
             }
         }
         let cpath = dir.join("adapter_config.json");
-        super::weights::stat(&cpath)?;
+        crate::util::fs::stat(&cpath)?;
         let text = std::fs::read_to_string(&cpath)
             .with_context(|| format!("cannot read {} (is {} a PEFT adapter directory?)", cpath.display(), dir.display()))?;
         let c: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cpath.display()))?;
@@ -206,7 +206,7 @@ impl LoraAdapter {
         let targets = resolve_targets(c.get("target_modules"), cfg)?;
 
         let wpath = dir.join("adapter_model.safetensors");
-        if super::weights::stat(&wpath)?.is_none() {
+        if crate::util::fs::stat(&wpath)?.is_none() {
             bail!("{} is missing (adapter_model.bin is not supported; save with safe_serialization)", wpath.display());
         }
         let set = SafetensorsSet::open_files(&[wpath.clone()])?;

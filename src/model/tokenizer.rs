@@ -41,13 +41,13 @@ impl TextTokenizer {
     pub fn load(dir: &Path, config_eos: &[u32]) -> Result<Option<Self>> {
         let tpath = dir.join("tokenizer.json");
         // stat: a symlink loop is an error, not "no tokenizer"
-        if super::weights::stat(&tpath)?.is_none() {
+        if crate::util::fs::stat(&tpath)?.is_none() {
             return Ok(None);
         }
         let tok = tokenizers::Tokenizer::from_file(&tpath)
             .map_err(|e| anyhow!("cannot load {}: {e}", tpath.display()))?;
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: Value = if super::weights::stat(&cfg_path)?.is_some() {
+        let cfg: Value = if crate::util::fs::stat(&cfg_path)?.is_some() {
             let text = std::fs::read_to_string(&cfg_path)
                 .with_context(|| format!("cannot read {}", cfg_path.display()))?;
             serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cfg_path.display()))?
@@ -56,7 +56,7 @@ impl TextTokenizer {
         };
         // transformers prefers chat_template.jinja over the tokenizer_config.json entry.
         let jinja_path = dir.join("chat_template.jinja");
-        let chat_template = if super::weights::stat(&jinja_path)?.is_some() {
+        let chat_template = if crate::util::fs::stat(&jinja_path)?.is_some() {
             Some(std::fs::read_to_string(&jinja_path).with_context(|| format!("cannot read {}", jinja_path.display()))?)
         } else {
             match cfg.get("chat_template") {
@@ -73,7 +73,7 @@ impl TextTokenizer {
         let eos_token = token_string(cfg.get("eos_token"));
         let mut eos_ids: Vec<u32> = config_eos.to_vec();
         let gen_path = dir.join("generation_config.json");
-        if super::weights::stat(&gen_path)?.is_some() {
+        if crate::util::fs::stat(&gen_path)?.is_some() {
             let text = std::fs::read_to_string(&gen_path).with_context(|| format!("cannot read {}", gen_path.display()))?;
             let g: Value = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not valid JSON", gen_path.display()))?;

@@ -5,6 +5,7 @@
 //! `[2i, d]` matrix, so a layer runs 4 GEMMs instead of 7 (LoRA deltas are added to column slices
 //! of the fused outputs, see `runtime`).
 use super::config::ModelConfig;
+use crate::util::fs::stat;
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
@@ -175,31 +176,6 @@ impl SafetensorsSet {
             .with_context(|| format!("tensor {name} in {}", path.display()))?;
         Ok(HostTensor { shape, data })
     }
-}
-
-/// Whether the path exists, following symlinks (`None`: nothing there). A symlink loop, a
-/// symlink to nothing or an unreadable parent is an error that says which, so a model file in a
-/// bad state is never reported as merely missing.
-pub fn stat(path: &Path) -> Result<Option<std::fs::Metadata>> {
-    match std::fs::metadata(path) {
-        Ok(m) => Ok(Some(m)),
-        Err(e) if is_symlink_loop(&e) => {
-            bail!("{} is a symlink loop (following its symlinks never reaches a file)", path.display())
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
-            Ok(target) => bail!("{} is a broken symlink: its target {} does not exist", path.display(), target.display()),
-            Err(_) => Ok(None),
-        },
-        Err(e) => Err(e).with_context(|| format!("cannot access {}", path.display())),
-    }
-}
-
-/// ELOOP: too many levels of symbolic links (std has no stable ErrorKind for it).
-pub fn is_symlink_loop(e: &std::io::Error) -> bool {
-    #[cfg(unix)]
-    return e.raw_os_error() == Some(libc::ELOOP);
-    #[cfg(not(unix))]
-    return false;
 }
 
 /// Convert raw little-endian bytes of a float dtype to f32.

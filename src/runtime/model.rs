@@ -57,7 +57,7 @@ impl<B: Backend> Model<B> {
         match std::fs::metadata(dir) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => bail!("model directory {} is not a directory", dir.display()),
-            Err(e) if crate::model::weights::is_symlink_loop(&e) => {
+            Err(e) if crate::util::fs::is_symlink_loop(&e) => {
                 bail!("model directory {} is a symlink loop (following its symlinks never reaches a directory)", dir.display())
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(dir) {

@@ -15,8 +15,7 @@
 //! Large blocks also start on a cache line (`LINE`), whatever alignment the type asks for. glibc
 //! serves them from `mmap` 16 bytes into a page, so every 64-byte row of an f32 activation
 //! matrix straddled two lines: the AMX tile loads and stores touched twice the lines, and every
-//! AVX-512 load split. Measured on a 2-core Xeon with AMX (`bench --dtype bf16`, alternated with
-//! the previous binary): score +10–17 %, train +12 %, f32 score +6–10 %. A block is over-allocated
+//! AVX-512 load split (measurements: docs/log/code-notes.md). A block is over-allocated
 //! by a line and the system's pointer kept in the 8 bytes before the one handed out (fresh zeroed
 //! blocks still come from `calloc`, untouched pages and all).
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -137,6 +137,31 @@ pub fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// Whether the path exists, following symlinks (`None`: nothing there). A symlink loop, a
+/// symlink to nothing or an unreadable parent is an error that says which, so a model file in a
+/// bad state is never reported as merely missing.
+pub fn stat(path: &Path) -> Result<Option<std::fs::Metadata>> {
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if is_symlink_loop(&e) => {
+            bail!("{} is a symlink loop (following its symlinks never reaches a file)", path.display())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
+            Ok(target) => bail!("{} is a broken symlink: its target {} does not exist", path.display(), target.display()),
+            Err(_) => Ok(None),
+        },
+        Err(e) => Err(e).with_context(|| format!("cannot access {}", path.display())),
+    }
+}
+
+/// ELOOP: too many levels of symbolic links (std has no stable ErrorKind for it).
+pub fn is_symlink_loop(e: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    return e.raw_os_error() == Some(libc::ELOOP);
+    #[cfg(not(unix))]
+    return false;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

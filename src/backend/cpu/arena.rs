@@ -1,5 +1,5 @@
 //! Packed bf16 weights placed one after another in shared chunks of memory advised onto 2 MiB
-//! pages (`gemm_bf16::PackedBf16` keeps its words here).
+//! pages (`bf16::PackedBf16` keeps its words here).
 //!
 //! Why: decode streams every weight once per step (SmolLM2-135M in bf16: 269 MB), and on 4 KiB
 //! pages that is a TLB miss every 4 KiB — on a VM a two-dimensional page walk — and a hardware
@@ -8,17 +8,21 @@
 //! where such a range lies inside it; SmolLM2's matrices (the head in tiles of 1.2 MB, the layers'
 //! 0.7–3.5 MB) had none (`AnonHugePages: 0 kB` in a decode run). Placed back to back in chunks
 //! that start on 2 MiB and are advised `MADV_HUGEPAGE` before the first write, all of them are.
-//! Measured on a 2-core AMD EPYC Zen 4 VM (8 rows × 576 × 49152 streamed from DRAM, the same
-//! kernel, `madvise` on and off in turn): 31.2 / 31.5 GiB/s on 2 MiB pages, 26.8 / 26.4 on 4 KiB.
+//! (The measurement: docs/log/code-notes.md.)
 //!
 //! A chunk is `CHUNK` bytes of address space; only the pages written become memory (so its
 //! unused tail costs nothing, its last matrix at most part of one 2 MiB page). A chunk is
 //! unmapped when the last matrix in it is dropped; the chunk being filled starts again from its
 //! beginning once every matrix placed in it has been dropped (benches and tests pack and drop
 //! matrices in turn). A matrix larger than a quarter chunk gets a chunk of its own.
-use super::gemm_bf16::Line;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
+
+/// 64 bytes: one cache line of packed words (keeps the packed data aligned; AMX tile rows and
+/// stores that straddle two lines cost 15–20 %).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line(pub(crate) [u32; 16]);
 
 /// A huge page (x86-64's 2 MiB), the unit transparent huge pages back.
 pub(crate) const HUGE: usize = 2 << 20;

@@ -3,10 +3,11 @@
 //! straight from the fused `qkv` rows (strided GEMMs, no gather), in tiles of `BQ` query rows ×
 //! the visible keys, so only a `[BQ, ctx]` score tile exists at a time. The forward keeps each
 //! row's log-sum-exp; the backward recomputes `P = exp(S − lse)` from it (flash-attention style).
-use super::attention::{prefetch_l2, stack_group, unstack_group};
-use super::attention_bf16 as bf16_attn;
-use super::matmul::{gemm_raw, SendPtr};
+use super::attention::paged::{stack_group, unstack_group};
+use super::attention::tiled;
+use super::matmul::gemm_raw;
 use super::memory::transpose;
+use super::par::{prefetch_l2, SendPtr};
 use super::simd::{dot, exp_scaled_sub, exp_sub_sum, simd_kernel};
 use crate::backend::{AttnGeom, DenseSeq};
 use rayon::prelude::*;
@@ -31,9 +32,9 @@ simd_kernel! {
 }
 
 /// `bf16`: `--dtype bf16`, whose attention runs on bf16 operands where the CPU has AMX or
-/// AVX512_BF16 (`attention_bf16`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
+/// AVX512_BF16 (`attention::tiled`; Q, K, V and the softmax numerators rounded to bf16, as on CUDA).
 pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32], bf16: bool) {
-    if bf16 && bf16_attn::usable(g.head_dim) {
+    if bf16 && tiled::usable(g.head_dim) {
         return attn_dense_bf16(qkv, seqs, g, out, lse);
     }
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
@@ -87,7 +88,7 @@ pub fn attn_dense(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], 
 }
 
 /// `attn_dense` on bf16 operands: per (sequence, kv head) K and V packed once, then blocks of `BQ`
-/// query rows of all the group's heads (`attention_bf16::forward`).
+/// query rows of all the group's heads (`attention::tiled::forward`).
 fn attn_dense_bf16(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32], lse: &mut [f32]) {
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
     let group = nh / nkv;
@@ -99,25 +100,25 @@ fn attn_dense_bf16(qkv: &[f32], seqs: &[DenseSeq], g: AttnGeom, out: &mut [f32],
     tasks.par_iter().for_each(|&(si, kvh)| {
         let s = seqs[si];
         let n = s.len;
-        bf16_attn::with_scratch(|kt, vp, sc| {
-            let pr = bf16_attn::Products::new();
+        tiled::with_scratch(|kt, vp, sc| {
+            let pr = tiled::Products::new();
             let kcol = q_dim + kvh * hd;
-            bf16_attn::pack_panels_rows(kt, n, hd, |j| &qkv[(s.row0 + j) * width + kcol..][..hd]);
-            let vs = bf16_attn::pack_panels_cols(vp, n, hd, |j| {
+            tiled::pack_panels_rows(kt, n, hd, |j| &qkv[(s.row0 + j) * width + kcol..][..hd]);
+            let vs = tiled::pack_panels_cols(vp, n, hd, |j| {
                 &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd]
             });
             // Safety (both writers): rows of this sequence, heads of this kv group: this task's only
             let out_at = |row: usize, h: usize, o: &[f32]| unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), outp.get().add(row * q_dim + h * hd), hd) };
             let lse_at = |row: usize, h: usize, v: f32| unsafe { *lsep.get().add(row * nh + h) = v };
-            bf16_attn::forward_rows(&pr, kt, vp, vs, hd, (qkv, width), (s.row0, n, 0), (kvh * group, group, BQ), scale, sc, out_at, lse_at);
+            tiled::forward_rows(&pr, kt, vp, vs, hd, (qkv, width), (s.row0, n, 0), (kvh * group, group, BQ), scale, sc, out_at, lse_at);
         });
     });
 }
 
-/// `bf16`: as in `attn_dense` (`attention_bf16::backward`).
+/// `bf16`: as in `attn_dense` (`attention::tiled::backward`).
 #[allow(clippy::too_many_arguments)]
 pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32], bf16: bool) {
-    if bf16 && bf16_attn::usable(g.head_dim) {
+    if bf16 && tiled::usable(g.head_dim) {
         return attn_dense_bwd_bf16(qkv, out, dout, lse, seqs, g, dqkv);
     }
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
@@ -190,7 +191,7 @@ pub fn attn_dense_bwd(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs:
 }
 
 /// `attn_dense_bwd` on bf16 operands: per (sequence, kv head) K and V packed once, then blocks of `BQ`
-/// query rows of all the group's heads (`attention_bf16::backward`); dK and dV accumulate over the
+/// query rows of all the group's heads (`attention::tiled::backward`); dK and dV accumulate over the
 /// blocks in f32 and are written once at the end.
 fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut [f32]) {
     let (hd, nh, nkv) = (g.head_dim, g.n_heads, g.n_kv_heads);
@@ -205,12 +206,12 @@ fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs
         let kcol = q_dim + kvh * hd;
         let krow = |j: usize| &qkv[(s.row0 + j) * width + kcol..][..hd];
         let vrow = |j: usize| &qkv[(s.row0 + j) * width + kcol + kv_dim..][..hd];
-        bf16_attn::with_bwd_scratch(|sc| {
-            let pr = bf16_attn::Products::new();
-            bf16_attn::pack_panels_rows(&mut sc.kt, n, hd, krow);
-            bf16_attn::pack_panels_rows(&mut sc.vt, n, hd, vrow);
-            let ks = bf16_attn::pack_panels_cols(&mut sc.kc, n, hd, krow);
-            let ld = n.next_multiple_of(bf16_attn::T);
+        tiled::with_bwd_scratch(|sc| {
+            let pr = tiled::Products::new();
+            tiled::pack_panels_rows(&mut sc.kt, n, hd, krow);
+            tiled::pack_panels_rows(&mut sc.vt, n, hd, vrow);
+            let ks = tiled::pack_panels_cols(&mut sc.kc, n, hd, krow);
+            let ld = n.next_multiple_of(tiled::T);
             // no zeroing: each block's products store the columns no block has reached yet
             sc.dkt.resize(hd * ld, 0.0);
             sc.dvt.resize(hd * ld, 0.0);
@@ -251,7 +252,7 @@ fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs
                     prefetch_l2(out[r * q_dim + c..].as_ptr(), group * hd);
                     prefetch_l2(dp.get().wrapping_add(r * width + c), group * hd);
                 }
-                bf16_attn::backward(&pr, sc, ks, hd, ld, group * bq, q, d_o, o, l, |i| r0 + i % bq + 1, scale, dq);
+                tiled::backward(&pr, sc, ks, hd, ld, group * bq, q, d_o, o, l, |i| r0 + i % bq + 1, scale, dq);
                 r0 += bq;
             }
             // every key's column is written (the last block sees them all)
@@ -261,8 +262,8 @@ fn attn_dense_bwd_bf16(qkv: &[f32], out: &[f32], dout: &[f32], lse: &[f32], seqs
             // Safety: this sequence's rows, this kv head's K and V columns: this task's only
             unsafe {
                 let dk = dp.get().add(s.row0 * width + kcol);
-                bf16_attn::transpose_out(&sc.dkt, ld, hd, n, dk, width);
-                bf16_attn::transpose_out(&sc.dvt, ld, hd, n, dk.add(kv_dim), width);
+                tiled::transpose_out(&sc.dkt, ld, hd, n, dk, width);
+                tiled::transpose_out(&sc.dvt, ld, hd, n, dk.add(kv_dim), width);
             }
         });
     });

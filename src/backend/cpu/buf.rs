@@ -1,5 +1,5 @@
 //! The CPU backend's buffer: f32 values, or — under `--dtype bf16` — a frozen weight matrix
-//! rounded once to bf16 and packed for the `vdpbf16ps` kernels (`gemm_bf16`). Everything else
+//! rounded once to bf16 and packed for the `vdpbf16ps` kernels (`cpu::bf16`). Everything else
 //! (activations, the residual stream, norms, biases, the KV cache, logits, LoRA parameters,
 //! gradients, optimizer moments) stays f32 in either mode: the policy of the CUDA backend, stated
 //! once in docs/DESIGN.md §3.
@@ -9,9 +9,9 @@
 //! an empty slice: code that reads a weight as f32 (the embedding gather, the training merge)
 //! goes through `CpuBuf::weight` instead, and a packed buffer never reaches an op that would read
 //! it as plain f32 (the routing in `cpu/mod.rs` checks).
-use super::gemm_bf16::{self, PackedBf16};
-use super::lora::Shadow;
-use super::matmul::SendPtr;
+use super::bf16::{self, PackedBf16};
+use super::bf16::thin::Shadow;
+use super::par::SendPtr;
 use rayon::prelude::*;
 use std::ops::{Deref, DerefMut};
 
@@ -70,12 +70,12 @@ impl PackedWeight {
     pub fn matmul(&self, x: &[f32], bias: Option<&[f32]>, m: usize, out: &mut [f32]) {
         let (n, k) = (self.n, self.k);
         if self.tiles.len() == 1 {
-            gemm_bf16::matmul_bf16(x, &self.tiles[0].1, bias, m, k, n, out);
+            bf16::matmul_bf16(x, &self.tiles[0].1, bias, m, k, n, out);
             return;
         }
         // one tile per task, each on its own thread's kernel call, written straight into its
         // columns of `out` (through a scratch and a copy the head of a decode step took ~10 %
-        // longer): the per-row results do not depend on the split (gemm_bf16's guarantee), so
+        // longer): the per-row results do not depend on the split (`cpu::bf16`'s guarantee), so
         // neither do these
         assert!(x.len() >= m * k && out.len() >= m * n, "PackedWeight::matmul: buffer too small");
         assert!(bias.is_none_or(|b| b.len() >= n), "PackedWeight::matmul: bias shorter than {n}");
@@ -84,7 +84,7 @@ impl PackedWeight {
             let b = bias.map(|b| &b[*r0..*r0 + t.n()]);
             // Safety: tile rows r0..r0 + t.n() are columns of `out` no other tile writes; out
             // holds m rows of n (checked above)
-            unsafe { gemm_bf16::matmul_bf16_strided(x, t, b, m, o.get().add(*r0), n, gemm_bf16::Kernel::Auto, false, &[], None) };
+            unsafe { bf16::matmul_bf16_strided(x, t, b, m, o.get().add(*r0), n, bf16::Kernel::Auto, false, &[], None) };
         });
     }
 
@@ -100,7 +100,7 @@ impl PackedWeight {
     pub fn matmul_dx(&self, dy: &[f32], m: usize, dx: &mut [f32], accumulate: bool) {
         let (n, k) = (self.n, self.k);
         if self.tiles.len() == 1 {
-            gemm_bf16::matmul_dx_bf16(dy, &self.tiles[0].1, m, n, k, dx, accumulate);
+            bf16::matmul_dx_bf16(dy, &self.tiles[0].1, m, n, k, dx, accumulate);
             return;
         }
         // dy's column slice of each tile, then the tiles' contributions summed in tile order
@@ -113,7 +113,7 @@ impl PackedWeight {
             for r in 0..m {
                 sub[r * tn..(r + 1) * tn].copy_from_slice(&dy[r * n + r0..r * n + r0 + tn]);
             }
-            gemm_bf16::matmul_dx_bf16(&sub, t, m, tn, k, dx, true);
+            bf16::matmul_dx_bf16(&sub, t, m, tn, k, dx, true);
         }
     }
 }
@@ -123,7 +123,7 @@ impl PackedWeight {
 pub struct CpuBuf {
     v: Vec<f32>,
     packed: Option<Box<PackedWeight>>,
-    /// A LoRA parameter's bf16 operands under `--dtype bf16` (`lora::Shadow`): made on first
+    /// A LoRA parameter's bf16 operands under `--dtype bf16` (`bf16::thin::Shadow`): made on first
     /// use, dropped by any write (`deref_mut`).
     shadow: Shadow,
 }
@@ -232,10 +232,10 @@ mod tests {
             let bias = randn(&mut rng, n);
             let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
             tiled.matmul(&x, Some(&bias), m, &mut a);
-            gemm_bf16::matmul_bf16(&x, &whole, Some(&bias), m, k, n, &mut b);
+            bf16::matmul_bf16(&x, &whole, Some(&bias), m, k, n, &mut b);
             assert_eq!(a, b, "tiled product, k {k}, m {m}");
             tiled.matmul(&x, None, m, &mut a);
-            gemm_bf16::matmul_bf16(&x, &whole, None, m, k, n, &mut b);
+            bf16::matmul_bf16(&x, &whole, None, m, k, n, &mut b);
             assert_eq!(a, b, "tiled product without bias, k {k}, m {m}");
         }
         let (n, k, m) = (TILE_FROM + 300, 40, 5);
@@ -246,7 +246,7 @@ mod tests {
         let dy = randn(&mut rng, m * n);
         let (mut da, mut db) = (vec![1f32; m * k], vec![1f32; m * k]);
         tiled.matmul_dx(&dy, m, &mut da, true);
-        gemm_bf16::matmul_dx_bf16(&dy, &whole, m, n, k, &mut db, true);
+        bf16::matmul_dx_bf16(&dy, &whole, m, n, k, &mut db, true);
         for (p, q) in da.iter().zip(&db) {
             // the tiles' partial sums are added in tile order: f32 rounding only
             assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{p} vs {q}");

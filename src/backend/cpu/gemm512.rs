@@ -1,9 +1,8 @@
 //! `C = (accumulate ? C : 0) + alpha · A · B` with AVX-512: the GEMM behind every large product.
 //!
-//! Why our own: the `gemm` crate uses AVX2 microkernels on stable Rust and reaches 165–185
-//! GFLOP/s on this transformer's shapes on the 2-core Zen 4 here, against a measured FMA peak
-//! of 233. This kernel reaches 190–215 on the same shapes (`x Wᵀ` and `dy W`, 4096 rows, k and
-//! n in {192, 576, 1536}), so it speeds up prefill, scoring and both passes of training.
+//! Why our own: the `gemm` crate uses AVX2 microkernels on stable Rust; this kernel uses the
+//! 512-bit FMAs and runs this transformer's shapes faster (`x Wᵀ` and `dy W`; measurements:
+//! docs/log/code-notes.md), so it speeds up prefill, scoring and both passes of training.
 //!
 //! The idea (BLIS with one level dropped): B is packed per block of `kc × nc` into panels of
 //! NR = 32 columns stored k-major, so the microkernel reads two aligned 16-lane vectors per k;
@@ -19,7 +18,7 @@
 //! Every output row is computed the same way whatever `m`, the thread count or the row's
 //! position: the k-blocking depends only on `k`, and each row has its own accumulators. So a
 //! sequence scores identically alone or in a batch, and results do not depend on threads.
-use super::matmul::SendPtr;
+use super::par::SendPtr;
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 use std::cell::RefCell;

@@ -7,7 +7,7 @@
 //!   `Σ_v exp(l_v − m)·head_v` (rescaled when the running max moves), so `E_p[head]`, the
 //!   log-probability and the entropy come out of one pass of two GEMMs per tile.
 use super::buf::PackedWeight;
-use super::gemm_bf16::{matmul_bf16_with, matmul_dx_bf16_with, Kernel};
+use super::bf16::{matmul_bf16_with, matmul_dx_bf16_with, Kernel};
 use super::matmul::{gemm_raw, matmul_serial};
 use super::simd::exp_sub_sum_dot;
 use crate::backend::HeadOut;

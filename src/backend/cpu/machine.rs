@@ -3,9 +3,8 @@
 //! thread — the bounds the CPU kernels are judged against (`infomem-engine machine`; the criterion
 //! `machine` group runs the same peak loops, and its own 1 GiB read).
 //!
-//! Why in the binary: a shared VM's bounds move within minutes (the same 2-vCPU Zen 4 read 48.9
-//! and 28.5 GiB/s on two threads four minutes apart, docs/RESULTS.md 2026-12-07), so a side-by-side
-//! run means little without the host's state at that time; `tools/bench-compare.sh` and
+//! Why in the binary: a shared VM's bounds move within minutes (an example: docs/log/code-notes.md),
+//! so a side-by-side run means little without the host's state at that time; `tools/bench-compare.sh` and
 //! `tools/rollout-compare.sh` record it before and after their runs from the same binary.
 use rayon::prelude::*;
 use std::time::Instant;

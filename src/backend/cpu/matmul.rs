@@ -8,23 +8,11 @@
 //! more than the product, so a hand-written AVX2/FMA kernel streams each weight row once from
 //! memory and multiplies it against all `m` input rows held in L1 (tiles of 4 inputs × 2 weight
 //! rows = 8 accumulators).
+use super::par::SendPtr;
 use rayon::prelude::*;
 
 /// Below this many rows, `matmul` uses the streaming kernel.
 pub const SMALL_M: usize = 16;
-
-/// Raw pointer that may cross rayon tasks; every user writes a disjoint region.
-#[derive(Clone, Copy)]
-pub(crate) struct SendPtr<T>(pub *mut T);
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
-impl<T> SendPtr<T> {
-    /// Method access (not field access) so closures capture the whole Send wrapper.
-    #[inline]
-    pub fn get(self) -> *mut T {
-        self.0
-    }
-}
 
 fn threads() -> usize {
     rayon::current_num_threads()

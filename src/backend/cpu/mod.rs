@@ -1,15 +1,16 @@
 //! The CPU backend: f32 on host memory, rayon across cores, our AVX-512 GEMM (or the `gemm`
 //! crate) for large products and hand-written kernels for the rest. One file per op family
-//! (forward and backward together, the table in `backend/mod.rs`); this file only routes the
-//! trait methods to them.
+//! (forward and backward together, the table in `backend/mod.rs`); the larger families are rooms:
+//! `bf16/` (the bf16-weight products, one file per microkernel) and `attention/` (paged, decode,
+//! tiled). Shared below them: `simd` (vector loops), `par` (splitting work across threads),
+//! `arena` (packed weights on huge pages). This file only routes the trait methods to them.
 pub(crate) mod arena;
 pub mod attention;
-pub mod attention_bf16;
 pub mod attention_dense;
 pub mod buf;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm512;
-pub mod gemm_bf16;
+pub mod bf16;
 pub mod logprob;
 pub mod lora;
 pub mod machine;
@@ -17,6 +18,7 @@ pub mod matmul;
 pub mod memory;
 pub mod norm;
 pub mod optim;
+pub(crate) mod par;
 pub mod rope;
 pub mod sample;
 pub mod simd;
@@ -28,16 +30,12 @@ use attention::CpuKv;
 pub use buf::CpuBuf;
 use buf::PackedWeight;
 
-/// Rows per rayon task for cheap row-wise ops (keeps task overhead well below the work; the
-/// split does not change any result: rows are independent).
-pub(crate) const ROWS_PER_TASK: usize = 64;
-
 /// How the CPU stores frozen weight matrices (`--dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightDtype {
     /// f32, as loaded.
     F32,
-    /// bf16 (rounded once at load), products with f32 accumulation (`gemm_bf16`).
+    /// bf16 (rounded once at load), products with f32 accumulation (`cpu::bf16`).
     Bf16,
 }
 
@@ -120,7 +118,7 @@ impl Backend for CpuBackend {
         match self.weights {
             WeightDtype::F32 => format!("cpu ({} threads, f32)", self.threads),
             WeightDtype::Bf16 => {
-                format!("cpu ({} threads, bf16 weights, {})", self.threads, gemm_bf16::auto_kernel())
+                format!("cpu ({} threads, bf16 weights, {})", self.threads, bf16::auto_kernel())
             }
         }
     }
@@ -294,7 +292,7 @@ pub fn poison_scratch(on: bool) -> bool {
 /// `TrainBackend::matmul_dx_lora` on a one-tile bf16 weight (`lora::matmul_dx_lora`), its pairs'
 /// input as rows or formed from gate/up.
 #[allow(clippy::too_many_arguments)]
-fn fused_dx_lora(dy: &CpuBuf, pw: &gemm_bf16::PackedBf16, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: lora::XRows, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
+fn fused_dx_lora(dy: &CpuBuf, pw: &bf16::PackedBf16, m: usize, n: usize, k: usize, dx: &mut CpuBuf, x: lora::XRows, pairs: &[LoraSlice<'_, CpuBuf>], grads: &mut [(&mut CpuBuf, &mut CpuBuf)]) -> Result<()> {
     ensure!(pairs.len() == grads.len(), "matmul_dx_lora: {} pairs, {} gradient pairs", pairs.len(), grads.len());
     ensure!(pw.n() == n && pw.k() == k, "matmul_dx_lora: bf16 weight [{}, {}] for [{n}, {k}]", pw.n(), pw.k());
     let xw = x.width(k);
@@ -511,7 +509,7 @@ mod tests {
         (0..n).map(|_| rng.normal() as f32).collect()
     }
 
-    /// A LoRA parameter's bf16 copies (`lora::Shadow`, kept in its `CpuBuf` under `--dtype
+    /// A LoRA parameter's bf16 copies (`bf16::thin::Shadow`, kept in its `CpuBuf` under `--dtype
     /// bf16`) follow its values: after `write` and after an in-place update through `&mut` (as
     /// AdamW's), the fused forward and backward, on decode- and prefill-sized row counts, give
     /// the bits of fresh buffers (no copies yet) holding the new values.

@@ -2,7 +2,7 @@
 //! the norm, the residual add fused with the next norm, the plain residual add, and the norm's
 //! backward with respect to its input (the weight is frozen).
 use super::simd::{self, simd_kernel};
-use super::ROWS_PER_TASK;
+use super::par::ROWS_PER_TASK;
 use rayon::prelude::*;
 
 /// 1/rms of a row, accumulated in f32 like transformers' `hidden.pow(2).mean(-1)`.

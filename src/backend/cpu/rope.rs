@@ -4,7 +4,7 @@
 //! (`qk_norm_rope`): each head is normalized, scaled by its norm weight, then rotated; the
 //! backward rotates back and applies the RMSNorm backward to the head's pre-norm values.
 use super::norm::{inv_rms, rmsnorm_bwd_row};
-use super::ROWS_PER_TASK;
+use super::par::ROWS_PER_TASK;
 use crate::backend::AttnGeom;
 use rayon::prelude::*;
 

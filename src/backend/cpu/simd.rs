@@ -24,8 +24,8 @@ pub fn has_avx512f() -> bool {
 }
 
 /// Whether the CPU has AVX512_BF16 (with AVX-512F/BW/VL, which every CPU with it has; a VM may
-/// hide a bit) (asked once): the bf16 GEMM's `vdpbf16ps` microkernel (`gemm_bf16`) needs it, and
-/// the bf16 attention's 256-bit masked stores (`attention_bf16`) need VL.
+/// hide a bit) (asked once): the bf16 GEMM's `vdpbf16ps` microkernel (`cpu::bf16`) needs it, and
+/// the bf16 attention's 256-bit masked stores (`attention::tiled`) need VL.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512bf16() -> bool {
     use std::sync::OnceLock;
@@ -241,7 +241,7 @@ fn exp_lane(x: f32) -> f32 {
 
 /// `exp_lane` on 16 AVX-512 lanes, the same operations in the same order (the f32 softmax and
 /// SiLU paths, whose scalar twins give the same bits; the bf16 attention has its own fused exp,
-/// `attention_bf16::x512::exp`). Callers must have AVX-512F (checked at run time).
+/// `attention::tiled::x512::exp`). Callers must have AVX-512F (checked at run time).
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;

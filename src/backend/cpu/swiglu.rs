@@ -1,7 +1,7 @@
 //! SwiGLU on the CPU (twin of kernels/swiglu.cu, launched by src/backend/cuda/swiglu.rs):
 //! `silu(gate)·up` from the fused gate_up rows, and its backward.
 use super::simd;
-use super::ROWS_PER_TASK;
+use super::par::ROWS_PER_TASK;
 use rayon::prelude::*;
 
 #[inline]

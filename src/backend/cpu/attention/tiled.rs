@@ -1,16 +1,11 @@
-//! bf16 attention: the many-row attention of `--dtype bf16` (prefill in `attention.rs`, the
-//! training forward and backward in `attention_dense.rs`; decode rows straight from the pages in
-//! `decode_row`, on `vdpbf16ps`) with bf16 operands and f32 sums, on AMX
-//! tiles (`tdpbf16ps`, `gemm_bf16::amx_available`) or, where AMX is missing, on the `vdpbf16ps`
-//! GEMM kernel (`gemm_bf16::vdp_product`, e.g. AMD Zen 4/5), for a head size that is a whole
+//! bf16 attention: the many-row attention of `--dtype bf16` (prefill in `paged`, the training
+//! forward and backward in `dense`; decode rows straight from the pages: `decode::decode_row`) with bf16 operands and f32 sums, on AMX
+//! tiles (`tdpbf16ps`, `bf16::amx_available`) or, where AMX is missing, on the `vdpbf16ps`
+//! GEMM kernel (`bf16::avx512::vdp_product`, e.g. AMD Zen 4/5), for a head size that is a whole
 //! number of 32-element steps. Without AVX512_BF16 the f32 attention runs instead.
 //!
 //! Why: in f32 these products have a reduction of one head (64) or one 64-row query block, too
-//! short for the f32 GEMM's packing to pay off; they ran at ~120 GFLOP/s, a third of the FMA peak,
-//! and were the largest op of scoring and of training. `tdpbf16ps` multiplies 16 × 32 by 32 × 16
-//! bf16 per instruction; `vdpbf16ps` runs at twice the f32 FMA rate. On a 2-core Zen 5 without
-//! AMX (`cargo bench --bench kernels -- attention/`, one layer, 8 × 512 tokens, f32 → bf16):
-//! prefill 9.6 → 6.7 ms, training forward 11.7 → 7.4 ms, backward 28.7 → 17.8 ms.
+//! short for the f32 GEMM's packing to pay off (measurements: docs/log/code-notes.md).
 //!
 //! Numerics (docs/DESIGN.md §3): the CUDA backend's tensor-core attention — Q, K, V, the softmax
 //! numerators `exp(s − max)` (in the backward dO, dS and P) are rounded to bf16, every product sums in
@@ -26,25 +21,25 @@
 //! instructions' bits differ (AMX's internal order and precision are its own), within the same
 //! bounds (the tests below run on either).
 //!
-//! Operands, as `gemm_bf16`'s AMX kernel takes them (the packed layout of its `vdpbf16ps`
+//! Operands, as `cpu::bf16`'s AMX kernel takes them (the packed layout of its `vdpbf16ps`
 //! kernel too): an A operand is rows of pair words (low half the even element) padded with zero
 //! rows to strips of 32; a B operand is panels of 32 columns, each `[pairs][32 words]` (the word
 //! for pair q, column j holds elements 2q and 2q+1 of the reduction for output column j).
 #[cfg(target_arch = "x86_64")]
-use super::gemm_bf16::amx;
-use super::gemm_bf16::{amx_available, vdp_available, Tiles};
+use crate::backend::cpu::bf16::amx;
+use crate::backend::cpu::bf16::{amx_available, vdp_available, Tiles};
 #[cfg(not(target_arch = "x86_64"))]
-use super::gemm_bf16::f32_to_bf16_bits;
+use crate::backend::cpu::bf16::f32_to_bf16_bits;
 use std::cell::RefCell;
 use std::f32::consts::{LN_2, LOG2_E};
 
 /// Keys (or columns) per panel, rows per strip: the 32 × 32 sums of one AMX block (and the
 /// `vdpbf16ps` kernel's panel width).
 pub const T: usize = 32;
-const _: () = assert!(T == super::gemm_bf16::NR, "the attention's panels are the GEMM kernels' panels");
+const _: () = assert!(T == crate::backend::cpu::bf16::NR, "the attention's panels are the GEMM kernels' panels");
 
 /// Whether this attention runs for heads of `hd`: on AMX tiles, or on `vdpbf16ps` where AMX is
-/// missing (`gemm_bf16::vdp_available`).
+/// missing (`bf16::vdp_available`).
 pub fn usable(hd: usize) -> bool {
     cfg!(target_arch = "x86_64") && hd.is_multiple_of(T) && (amx_available() || vdp_available())
 }
@@ -79,7 +74,7 @@ pub fn to_pairs(src: &[f32], dst: &mut [u32]) {
 /// base 2 as the CUDA kernel does (e = 2^(x·scale·log2e − m), lse = (m + log2 Σ e)·ln 2).
 /// `usable()` implies AVX-512.
 #[inline]
-fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) -> (f32, f32) {
+pub(super) fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) -> (f32, f32) {
     let d: &mut [u16] = bytemuck::cast_slice_mut(dst);
     assert!(d.len() >= row.len());
     #[cfg(target_arch = "x86_64")]
@@ -97,7 +92,7 @@ fn softmax_row<const WRITE: bool>(row: &mut [f32], scale: f32, dst: &mut [u32]) 
 mod x512 {
     use std::arch::x86_64::*;
 
-    use crate::backend::cpu::gemm_bf16::round16;
+    use crate::backend::cpu::bf16::avx512::round16;
 
     /// 2^t of 16 lanes for the softmax numerators, whose exponents come in base 2 as in the CUDA
     /// kernels (`exp2f(s·scale·log2e − m·log2e)`: the score's scaling and the shift are one fused
@@ -359,7 +354,7 @@ const ROWS_AHEAD: usize = 8;
 #[inline]
 fn prefetch_ahead<'a>(row: &impl Fn(usize) -> &'a [f32], j: usize, n: usize, k: usize) {
     if j + ROWS_AHEAD < n {
-        super::attention::prefetch_l2(row(j + ROWS_AHEAD).as_ptr(), k);
+        crate::backend::cpu::par::prefetch_l2(row(j + ROWS_AHEAD).as_ptr(), k);
     }
 }
 
@@ -490,8 +485,8 @@ pub fn product(
             // asserted above.
             unsafe {
                 let (a, b, c, add) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), add.min(panels));
-                super::gemm_bf16::vdp_product(a, lda, m, b, pstride, add, pairs, c, ldc, true);
-                super::gemm_bf16::vdp_product(a, lda, m, b.add(add * pstride), pstride, panels - add, pairs, c.add(add * T), ldc, false);
+                crate::backend::cpu::bf16::avx512::vdp_product(a, lda, m, b, pstride, add, pairs, c, ldc, true);
+                crate::backend::cpu::bf16::avx512::vdp_product(a, lda, m, b.add(add * pstride), pstride, panels - add, pairs, c.add(add * T), ldc, false);
             };
             return;
         }
@@ -618,7 +613,7 @@ pub fn forward_rows(
         // memory while this block computes
         let next = (r0 + bq).min(n_q);
         for r in next..(next + bq).min(n_q) {
-            super::attention::prefetch_l2(qkv[(q_row + r) * width + h0 * hd..].as_ptr(), group * hd);
+            crate::backend::cpu::par::prefetch_l2(qkv[(q_row + r) * width + h0 * hd..].as_ptr(), group * hd);
         }
         let bq = bq.min(n_q - r0);
         let at = |i: usize| (q_row + r0 + i % bq, h0 + i / bq);
@@ -748,7 +743,7 @@ pub fn backward<'a>(
         let rows = [2 * w, 2 * w + 1];
         let vis = rows.map(|i| if i < m { visible(i) } else { 0 });
         let l = rows.map(|i| if i < m { lse(i) * LOG2_E } else { 0.0 });
-        let di = rows.map(|i| if i < m { super::simd::dot(&dout(i)[..hd], &o(i)[..hd]) } else { 0.0 });
+        let di = rows.map(|i| if i < m { crate::backend::cpu::simd::dot(&dout(i)[..hd], &o(i)[..hd]) } else { 0.0 });
         #[cfg(target_arch = "x86_64")]
         // Safety: AVX-512F/BW wherever this attention runs (`usable`); rows 2w, 2w + 1 < mp of the
         // `[mp][kpad]` buffers, and of dsa (kpad halves per row); pz and dsz hold kpad · wp words.
@@ -812,559 +807,5 @@ pub unsafe fn transpose_out(src: &[f32], lds: usize, rows: usize, cols: usize, d
     }
 }
 
-/// `$m::$f::<H, NB>(a)` for `hc` ≤ 3 heads and `nb` ≤ 2 blocks (constants of the kernels).
-macro_rules! heads_blocks {
-    ($m:ident::$f:ident, $hc:expr, $nb:expr, $a:expr) => {
-        match ($hc, $nb) {
-            (1, 1) => $m::$f::<1, 1>($a),
-            (2, 1) => $m::$f::<2, 1>($a),
-            (3, 1) => $m::$f::<3, 1>($a),
-            (1, _) => $m::$f::<1, 2>($a),
-            (2, _) => $m::$f::<2, 2>($a),
-            _ => $m::$f::<3, 2>($a),
-        }
-    };
-}
-
-/// Whether a decode row of heads of `hd` over pages of `ps` keys runs on `decode_row`
-/// (`vdpbf16ps`, whole blocks of 32 keys and 32 columns).
-pub fn decode_usable(hd: usize, ps: usize) -> bool {
-    cfg!(target_arch = "x86_64") && hd.is_multiple_of(T) && ps.is_multiple_of(T) && vdp_available()
-}
-
-/// One decode row (one query) of the `group` query heads sharing a kv head, over the first
-/// `visible` keys of its pages, on bf16 operands as the fed rows here and the CUDA kernel: Q
-/// rounded to bf16, `S = Q·Kᵀ` by `vdpbf16ps` over pairs of dimensions, the softmax numerators
-/// rounded to bf16 (`softmax_row`), `P·V` by `vdpbf16ps` over pairs of keys, divided by the
-/// numerators' f32 sum at the end. The f32 kernels these rows ran on before
-/// (`attention::attend_direct`) were bound by their fused multiply-adds (~92 % of one core's f32
-/// peak with the keys in cache); `vdpbf16ps` does two products per lane and instruction.
-///
-/// `kt(i)`, `vals(i)`: page i's `Kᵀ` block (`[hd][ps]`) and values (`[ps][hd]`); `next(i)`: the
-/// block read after block i (K blocks `0..n`, then V blocks `n..2n`, `n` pages), asked into L2
-/// row by row while block i is read (null: none). `out`: `group` rows of `hd`. Needs
-/// `decode_usable(hd, ps)`.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_row<'a>(
-    kt: impl Fn(usize) -> &'a [u16],
-    vals: impl Fn(usize) -> &'a [u16],
-    next: impl Fn(usize) -> *const u16,
-    (ps, hd, visible): (usize, usize, usize),
-    q: &[f32],
-    group: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    assert!(decode_usable(hd, ps) && q.len() >= group * hd && out.len() >= group * hd && visible > 0);
-    DECODE_SCRATCH.with_borrow_mut(|d| {
-        let DecodeScratch { qp, scores, pp, sums, vps, vnext } = d;
-        let n_pages = visible.div_ceil(ps);
-        let half = hd / 2;
-        // Q as pair words, head after head
-        qp.resize(group * half, 0);
-        for h in 0..group {
-            to_pairs(&q[h * hd..(h + 1) * hd], &mut qp[h * half..(h + 1) * half]);
-        }
-        // scores[h·visible + t] (every one written below); numerators as pair words, pw per head
-        scores.resize(group * visible, 0.0);
-        let pw = visible.div_ceil(2);
-        pp.resize(group * pw, 0);
-        if visible % 2 == 1 {
-            // an odd last key's partner: `softmax_row` writes `visible` halves, this one must be 0
-            for h in 0..group {
-                pp[h * pw + pw - 1] = 0;
-            }
-        }
-        sums.resize(group, 0.0);
-        #[cfg(target_arch = "x86_64")]
-        // Safety: decode_usable: AVX512_BF16 (with F/BW); every block holds hd·ps values, the keys
-        // read are < ps of each page (whole 32-key blocks), scores/pp/out are sized above.
-        unsafe {
-            // ≤ 3 heads × ≤ 2 blocks of 32 keys (or columns) a pass: 6–12 sums in flight, as many as
-            // `vdpbf16ps`'s latency needs with the weights' rows shared
-            let mut h0 = 0;
-            while h0 < group {
-                let hc = (group - h0).min(3);
-                for pi in 0..n_pages {
-                    let (t0, k) = (pi * ps, kt(pi));
-                    assert!(k.len() >= hd * ps);
-                    let nt = ps.min(visible - t0);
-                    let pf = if h0 == 0 { next(pi + 1) } else { std::ptr::null() };
-                    let mut j0 = 0;
-                    while j0 < nt {
-                        let nb = if nt - j0 > T && j0 + 2 * T <= ps { 2 } else { 1 };
-                        let n = (nt - j0).min(nb * T);
-                        let (qh, o) = (qp.as_ptr().add(h0 * half), scores.as_mut_ptr().add(h0 * visible + t0 + j0));
-                        let a = (k.as_ptr(), ps, hd, j0, qh, half, o, visible, n, pf);
-                        heads_blocks!(decode_x512::scores, hc, nb, a);
-                        j0 += nb * T;
-                    }
-                }
-                h0 += hc;
-            }
-            for h in 0..group {
-                sums[h] = softmax_row::<false>(&mut scores[h * visible..(h + 1) * visible], scale, &mut pp[h * pw..(h + 1) * pw]).1;
-            }
-            // the value blocks and what to prefetch during each
-            vps.clear();
-            vnext.clear();
-            for pi in 0..n_pages {
-                let v = vals(pi);
-                assert!(v.len() >= ps.min(visible - pi * ps) * hd);
-                vps.push(v.as_ptr());
-                vnext.push(next(n_pages + pi + 1));
-            }
-            let mut h0 = 0;
-            while h0 < group {
-                let hc = (group - h0).min(3);
-                let mut c0 = 0;
-                while c0 < hd {
-                    let nb = if c0 + 2 * T <= hd { 2 } else { 1 };
-                    let pf: &[*const u16] = if h0 == 0 && c0 == 0 { vnext } else { &[] };
-                    let a = (&vps[..], pf, ps, hd, visible, c0, pp.as_ptr().add(h0 * pw), pw, &sums[h0..], out.as_mut_ptr().add(h0 * hd));
-                    heads_blocks!(decode_x512::values, hc, nb, a);
-                    c0 += nb * T;
-                }
-                h0 += hc;
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("decode_usable() is false off x86_64");
-    })
-}
-
-/// `decode_row`'s buffers (Q pairs, scores, numerator pairs, sums, the value blocks and what to
-/// prefetch during each), kept by each thread: a decode step runs one `decode_row` per sequence,
-/// kv head and layer.
-struct DecodeScratch {
-    qp: Vec<u32>,
-    scores: Vec<f32>,
-    pp: Vec<u32>,
-    sums: Vec<f32>,
-    vps: Vec<*const u16>,
-    vnext: Vec<*const u16>,
-}
-
-thread_local! {
-    static DECODE_SCRATCH: RefCell<DecodeScratch> = const { RefCell::new(DecodeScratch { qp: Vec::new(), scores: Vec::new(), pp: Vec::new(), sums: Vec::new(), vps: Vec::new(), vnext: Vec::new() }) };
-}
-
-/// `decode_row`'s two products. A pair row is `unpacklo/hi_epi16` of two rows of 32 bf16 (two
-/// dimensions of 32 keys, or two keys of 32 columns): lane `4L + w` of the low half holds element
-/// `8L + w` of the 32, of the high half element `8L + 4 + w` (`L` the 128-bit lane, `w < 4`);
-/// `unshuffle` puts the sums back in element order.
-#[cfg(target_arch = "x86_64")]
-mod decode_x512 {
-    use super::T;
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn unshuffle(lo: __m512, hi: __m512) -> (__m512, __m512) {
-        let first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-        let second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-        (_mm512_permutex2var_ps(lo, first, hi), _mm512_permutex2var_ps(lo, second, hi))
-    }
-
-    /// Two rows of 32 bf16 as the pair words of their elements, low and high half (the lane
-    /// order of the module doc).
-    #[inline(always)]
-    unsafe fn pair_rows(x: __m512i, y: __m512i) -> (__m512bh, __m512bh) {
-        (std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(x, y)), std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(x, y)))
-    }
-
-    /// One pair word in every lane.
-    #[inline(always)]
-    unsafe fn word(w: u32) -> __m512bh {
-        std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(w as i32))
-    }
-
-    #[inline(always)]
-    unsafe fn pf_l2(p: *const u16, elems: usize) {
-        if !p.is_null() {
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(elems) as *const i8);
-        }
-    }
-
-    type ScoresArgs = (*const u16, usize, usize, usize, *const u32, usize, *mut f32, usize, usize, *const u16);
-
-    /// Raw scores `q_h·k_j` of keys `j0..j0 + 32·NB` (the first `n` written) of one `Kᵀ` block
-    /// for heads `0..H` (Q pairs `qp[h·qs + p]`), into `out[h·os + j]`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn scores<const H: usize, const NB: usize>((kt, ps, hd, j0, qp, qs, out, os, n, pf): ScoresArgs) {
-        let mut lo = [[_mm512_setzero_ps(); NB]; H];
-        let mut hi = [[_mm512_setzero_ps(); NB]; H];
-        for p in 0..hd / 2 {
-            let (r0, r1) = (2 * p * ps + j0, (2 * p + 1) * ps + j0);
-            let mut pl = [std::mem::zeroed::<__m512bh>(); NB];
-            let mut ph = [std::mem::zeroed::<__m512bh>(); NB];
-            for b in 0..NB {
-                pf_l2(pf, r0 + b * T);
-                pf_l2(pf, r1 + b * T);
-                let (x, y) = (_mm512_loadu_si512(kt.add(r0 + b * T) as *const _), _mm512_loadu_si512(kt.add(r1 + b * T) as *const _));
-                (pl[b], ph[b]) = pair_rows(x, y);
-            }
-            for h in 0..H {
-                let qv = word(*qp.add(h * qs + p));
-                for b in 0..NB {
-                    lo[h][b] = _mm512_dpbf16_ps(lo[h][b], pl[b], qv);
-                    hi[h][b] = _mm512_dpbf16_ps(hi[h][b], ph[b], qv);
-                }
-            }
-        }
-        for h in 0..H {
-            for b in 0..NB {
-                let (e0, e1) = unshuffle(lo[h][b], hi[h][b]);
-                for (i, e) in [e0, e1].into_iter().enumerate() {
-                    let at = b * T + 16 * i;
-                    if at < n {
-                        let k = (n - at).min(16);
-                        _mm512_mask_storeu_ps(out.add(h * os + at), ((1u32 << k) - 1) as u16, e);
-                    }
-                }
-            }
-        }
-    }
-
-    type ValuesArgs<'v> = (&'v [*const u16], &'v [*const u16], usize, usize, usize, usize, *const u32, usize, &'v [f32], *mut f32);
-
-    /// Columns `c0..c0 + 32·NB` of `out_h = Σ_t P[h][t]·v_t / sums[h]` for heads `0..H` over every
-    /// page's value block `vps[i]` (numerator pair words `pp[h·pw + u]` = keys 2u, 2u + 1), stored
-    /// at `out[h·hd + c]`; during page i its rows of `pfs[i]` are asked into L2 (if any).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn values<const H: usize, const NB: usize>((vps, pfs, ps, hd, visible, c0, pp, pw, sums, out): ValuesArgs) {
-        let mut lo = [[_mm512_setzero_ps(); NB]; H];
-        let mut hi = [[_mm512_setzero_ps(); NB]; H];
-        for (pi, &v) in vps.iter().enumerate() {
-            let t0 = pi * ps;
-            let nt = ps.min(visible - t0);
-            let pf = pfs.get(pi).copied().unwrap_or(std::ptr::null());
-            let vp = v.add(c0);
-            let mut t = 0;
-            while t < nt {
-                // a missing partner key (odd `visible`) is a zero row: its numerator is 0 too,
-                // and the page's row past `visible` may hold anything
-                let mut pl = [std::mem::zeroed::<__m512bh>(); NB];
-                let mut ph = [std::mem::zeroed::<__m512bh>(); NB];
-                for b in 0..NB {
-                    let x = _mm512_loadu_si512(vp.add(t * hd + b * T) as *const _);
-                    let y = if t + 1 < nt { _mm512_loadu_si512(vp.add((t + 1) * hd + b * T) as *const _) } else { _mm512_setzero_si512() };
-                    (pl[b], ph[b]) = pair_rows(x, y);
-                }
-                for c in (0..hd).step_by(T) {
-                    pf_l2(pf, t * hd + c);
-                    pf_l2(pf, (t + 1) * hd + c);
-                }
-                let u = (t0 + t) / 2;
-                for h in 0..H {
-                    let pv = word(*pp.add(h * pw + u));
-                    for b in 0..NB {
-                        lo[h][b] = _mm512_dpbf16_ps(lo[h][b], pl[b], pv);
-                        hi[h][b] = _mm512_dpbf16_ps(hi[h][b], ph[b], pv);
-                    }
-                }
-                t += 2;
-            }
-        }
-        for h in 0..H {
-            let inv = _mm512_set1_ps(1.0 / sums[h]);
-            for b in 0..NB {
-                let (e0, e1) = unshuffle(lo[h][b], hi[h][b]);
-                let o = out.add(h * hd + c0 + b * T);
-                _mm512_storeu_ps(o, _mm512_mul_ps(e0, inv));
-                _mm512_storeu_ps(o.add(16), _mm512_mul_ps(e1, inv));
-            }
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use crate::backend::cpu::attention_dense::attn_dense;
-    use crate::backend::cpu::gemm_bf16::f32_to_bf16_bits;
-    use crate::backend::{AttnGeom, DenseSeq};
-    use crate::util::rng::Rng;
-
-    /// Sequences of 70, 1, 33, 130 and 32 rows back to back (across the 64-row block and the
-    /// 32-key panel boundaries): the geometry, the sequences and the row count.
-    fn batch(nh: usize, nkv: usize, hd: usize) -> (AttnGeom, Vec<DenseSeq>, usize) {
-        let g = AttnGeom { n_layers: 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
-        let mut seqs = Vec::new();
-        let mut row = 0;
-        for len in [70usize, 1, 33, 130, 32] {
-            seqs.push(DenseSeq { row0: row, len });
-            row += len;
-        }
-        (g, seqs, row)
-    }
-
-    /// `decode_row` against an f64 reference on the same rounded operands (Q and the softmax
-    /// numerators to bf16, as the kernel): groups of 1, 3 and 8 query heads (8: two passes of
-    /// ≤ 6), heads of 64 and 128, pages of 32 and 64 keys, contexts ending mid-page, on an odd key
-    /// and on a page boundary; the slots past the context hold NaN (a recycled page's leftovers
-    /// may be anything) and must not reach the output.
-    #[test]
-    fn decode_row_matches_f64_on_rounded_operands() {
-        if !super::decode_usable(64, 64) {
-            eprintln!("no AVX512_BF16 here: decode rows use the f32 kernels");
-            return;
-        }
-        let bf = |x: f32| f32::from_bits((f32_to_bf16_bits(x) as u32) << 16);
-        let mut rng = Rng::new(7);
-        for &(group, hd, ps) in &[(3usize, 64usize, 64usize), (8, 64, 32), (1, 128, 64), (3, 128, 32)] {
-            for visible in [1usize, 37, 64, 95, 128, 129] {
-                let n_pages = visible.div_ceil(ps);
-                // keys Kᵀ [hd][ps] and values [ps][hd] per page, NaN past the context
-                let mut kt = vec![vec![f32_to_bf16_bits(f32::NAN); hd * ps]; n_pages];
-                let mut vv = vec![vec![f32_to_bf16_bits(f32::NAN); hd * ps]; n_pages];
-                let mut keys = vec![vec![0f32; hd]; visible];
-                let mut vals = vec![vec![0f32; hd]; visible];
-                for t in 0..visible {
-                    for d in 0..hd {
-                        keys[t][d] = bf((rng.next_f64() * 4.0 - 2.0) as f32);
-                        vals[t][d] = bf((rng.next_f64() * 4.0 - 2.0) as f32);
-                        kt[t / ps][d * ps + t % ps] = f32_to_bf16_bits(keys[t][d]);
-                        vv[t / ps][(t % ps) * hd + d] = f32_to_bf16_bits(vals[t][d]);
-                    }
-                }
-                let q: Vec<f32> = (0..group * hd).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32).collect();
-                let scale = 1.0 / (hd as f32).sqrt();
-                let mut out = vec![f32::NAN; group * hd];
-                super::decode_row(|i| &kt[i][..], |i| &vv[i][..], |_| std::ptr::null(), (ps, hd, visible), &q, group, scale, &mut out);
-                for h in 0..group {
-                    let qh: Vec<f64> = q[h * hd..(h + 1) * hd].iter().map(|&x| bf(x) as f64).collect();
-                    let s: Vec<f64> = keys.iter().map(|k| k.iter().zip(&qh).map(|(&a, b)| a as f64 * b).sum::<f64>() * scale as f64).collect();
-                    let m = s.iter().cloned().fold(f64::MIN, f64::max);
-                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                    let l: f64 = e.iter().sum();
-                    for c in 0..hd {
-                        let want = e.iter().zip(&vals).map(|(&p, v)| bf(p as f32) as f64 * v[c] as f64).sum::<f64>() / l;
-                        let got = out[h * hd + c] as f64;
-                        // the numerators' roundings may differ where the f32 and f64 scores
-                        // straddle a bf16 boundary: one ulp (2⁻⁸ relative) of a term, of |v| ≤ 2
-                        assert!((got - want).abs() < 2f64.powi(-7) * 2.0 / l.max(1.0) + 1e-5, "group {group}, hd {hd}, pages of {ps}, {visible} keys, head {h}, column {c}: {got} vs {want}");
-                    }
-                }
-            }
-        }
-    }
-
-    /// Whether this CPU lacks the bf16 attention (then the test has nothing to check; said so).
-    fn not_here() -> bool {
-        let no = !super::usable(64);
-        if no {
-            eprintln!("neither AMX nor AVX512_BF16 here: the bf16 attention is not used on this CPU");
-        }
-        no
-    }
-
-    fn r16(x: f32) -> f64 {
-        f32::from_bits((f32_to_bf16_bits(x) as u32) << 16) as f64
-    }
-
-    /// The training forward (AMX or `vdpbf16ps`) against f64 on the bf16-rounded Q, K, V: the output within
-    /// the numerators' rounding (≤ 2⁻⁸ relative each, so ≤ 2⁻⁸·max|v|), the lse within f32
-    /// rounding; and each sequence alone gives the bits it gets in the batch. Lengths cross the
-    /// 64-row block and 32-key panel boundaries; GQA 9/3 and 4/1, heads of 64 and 32.
-    #[test]
-    fn dense_forward_matches_f64_and_is_batch_invariant() {
-        if not_here() {
-            return;
-        }
-        for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (4, 1, 32)] {
-            let (g, seqs, row) = batch(nh, nkv, hd);
-            let (w, qd, group) = (g.qkv_dim(), g.q_dim(), nh / nkv);
-            let mut rng = Rng::new(5);
-            let qkv: Vec<f32> = (0..row * w).map(|_| (rng.normal() * 1.5) as f32).collect();
-            let mut out = vec![f32::NAN; row * qd];
-            let mut lse = vec![f32::NAN; row * nh];
-            attn_dense(&qkv, &seqs, g, &mut out, &mut lse, true);
-            let scale = 1.0 / (hd as f64).sqrt();
-            for s in &seqs {
-                for i in 0..s.len {
-                    let r = s.row0 + i;
-                    for qh in 0..nh {
-                        let kvh = qh / group;
-                        let sc: Vec<f64> = (0..=i)
-                            .map(|j| (0..hd).map(|c| r16(qkv[r * w + qh * hd + c]) * r16(qkv[(s.row0 + j) * w + qd + kvh * hd + c])).sum::<f64>() * scale)
-                            .collect();
-                        let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                        let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
-                        let want_lse = m + z.ln();
-                        let got_lse = lse[r * nh + qh] as f64;
-                        assert!((got_lse - want_lse).abs() < 1e-5 * want_lse.abs().max(1.0), "lse row {r} head {qh}: {got_lse} vs {want_lse}");
-                        let mut vmax = 0f64;
-                        for c in 0..hd {
-                            let mut o = 0.0;
-                            for (j, x) in sc.iter().enumerate() {
-                                let v = r16(qkv[(s.row0 + j) * w + qd + g.kv_dim() + kvh * hd + c]);
-                                vmax = vmax.max(v.abs());
-                                o += (x - m).exp() / z * v;
-                            }
-                            let got = out[r * qd + qh * hd + c] as f64;
-                            assert!((got - o).abs() <= 2f64.powi(-8) * vmax + 1e-5, "out row {r} head {qh} col {c}: {got} vs {o}");
-                        }
-                    }
-                }
-            }
-            // each sequence alone: the same bits
-            for s in &seqs {
-                let one = &qkv[s.row0 * w..(s.row0 + s.len) * w];
-                let (mut o1, mut l1) = (vec![0f32; s.len * qd], vec![0f32; s.len * nh]);
-                attn_dense(one, &[DenseSeq { row0: 0, len: s.len }], g, &mut o1, &mut l1, true);
-                assert!(o1.iter().zip(&out[s.row0 * qd..]).all(|(a, b)| a.to_bits() == b.to_bits()), "sequence of {} alone differs", s.len);
-                assert!(l1.iter().zip(&lse[s.row0 * nh..]).all(|(a, b)| a.to_bits() == b.to_bits()), "lse of {} alone differs", s.len);
-            }
-        }
-    }
-
-    /// The softmax numerators' 2^t (`x512::exp2`: fused multiply-adds, `vscalefps`) against f64
-    /// over its whole domain: within 1 ulp (measured: 0.83) wherever the result is a normal f32
-    /// (t down to the clamp at −126), exactly 1 at 0, NaN kept, −∞ and t < −126 clamped to 2⁻¹²⁶;
-    /// and `x512::bf16x16` (`vcvtneps2bf16`) against `f32_to_bf16_bits` (nearest even) on normal
-    /// values and NaN, ±0 for denormals.
-    #[test]
-    fn fast_exp2_is_within_one_ulp() {
-        if not_here() {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            // Safety: AVX-512F and AVX512_BF16 (`usable`, checked above)
-            #[target_feature(enable = "avx512f,avx512bf16")]
-            unsafe fn run(x: &[f32; 16]) -> ([f32; 16], [u16; 16]) {
-                let v = _mm512_loadu_ps(x.as_ptr());
-                let (mut e, mut h) = ([0f32; 16], [0u16; 16]);
-                _mm512_storeu_ps(e.as_mut_ptr(), super::x512::exp2(v));
-                _mm256_storeu_si256(h.as_mut_ptr() as *mut __m256i, super::x512::bf16x16(v));
-                (e, h)
-            }
-            // |error| in units of the spacing of f32 at the true value
-            let ulp = |got: f32, want: f64| {
-                let w = want as f32;
-                (got as f64 - want).abs() / (f32::from_bits(w.to_bits() + 1) - w) as f64
-            };
-            let mut worst = (0f64, 0f32);
-            let mut rng = Rng::new(11);
-            let mut xs: Vec<f32> = (0..1 << 21).map(|i| -126.0 * (i as f32) / (1 << 21) as f32).collect();
-            xs.extend((0..1 << 16).map(|_| -(rng.next_f64() as f32) * 126.0));
-            // slightly positive: a numerator's argument rounds a little above 0
-            xs.extend((0..1 << 12).map(|_| (rng.next_f64() as f32) * 1e-5));
-            xs.extend((0..1 << 12).map(|_| -(rng.next_f64() as f32) * 1e-3));
-            for c in xs.chunks(16) {
-                let mut x = [0f32; 16];
-                x[..c.len()].copy_from_slice(c);
-                let (e, h) = unsafe { run(&x) };
-                for (l, (&xi, &ei)) in x.iter().zip(&e).enumerate().take(c.len()) {
-                    let want = (xi as f64).exp2();
-                    let u = ulp(ei, want);
-                    if u > worst.0 {
-                        worst = (u, xi);
-                    }
-                    assert_eq!(h[l], f32_to_bf16_bits(xi), "bf16 of {xi}");
-                }
-            }
-            eprintln!("exp2: at most {:.3} ulp (at {})", worst.0, worst.1);
-            assert!(worst.0 <= 1.0, "exp2 is {} ulp off at {}", worst.0, worst.1);
-            let mut x = [0f32; 16];
-            x[1] = f32::NAN;
-            x[2] = f32::NEG_INFINITY;
-            x[3] = 1e-40; // denormal
-            x[4] = -1e-40;
-            x[5] = 3.0e38;
-            x[6] = -0.0;
-            x[7] = -200.0;
-            x[8] = -1.0;
-            let (e, h) = unsafe { run(&x) };
-            assert_eq!(e[0], 1.0);
-            assert!(e[1].is_nan() && h[1] & 0x7fff > 0x7f80, "NaN: exp {} bf16 {:#x}", e[1], h[1]);
-            assert_eq!((e[2], e[7]), (2f32.powi(-126), 2f32.powi(-126)), "2^−∞ and 2^−200 clamp to 2^−126");
-            assert_eq!(e[8], 0.5);
-            assert_eq!((h[3], h[4]), (0, 0x8000), "denormals to ±0");
-            assert_eq!(h[5], f32_to_bf16_bits(3.0e38));
-            assert_eq!((e[6], h[6]), (1.0, 0x8000));
-        }
-    }
-
-    /// `transpose_out` (16 × 16 blocks in registers, the edges one by one) and `pack_transposed`
-    /// (zipped and transposed in registers) against their definitions, on shapes off the 16 and
-    /// 32 grids, into buffers holding other values first.
-    #[test]
-    fn transposes_match_their_definitions() {
-        if not_here() {
-            return;
-        }
-        let mut rng = Rng::new(7);
-        for &(rows, cols) in &[(64usize, 70usize), (32, 1), (48, 33), (5, 130), (16, 16)] {
-            let lds = cols.next_multiple_of(32) + 3;
-            let src: Vec<f32> = (0..rows * lds).map(|_| rng.normal() as f32).collect();
-            let ldd = rows + 5;
-            let mut dst = vec![f32::NAN; cols * ldd];
-            // Safety: dst holds cols rows of ldd ≥ rows
-            unsafe { super::transpose_out(&src, lds, rows, cols, dst.as_mut_ptr(), ldd) };
-            for j in 0..cols {
-                for c in 0..ldd {
-                    let want = if c < rows { src[c * lds + j].to_bits() } else { f32::NAN.to_bits() };
-                    assert_eq!(dst[j * ldd + c].to_bits(), want, "transpose_out {rows}x{cols}: ({c}, {j})");
-                }
-            }
-        }
-        for &(m, width) in &[(1usize, 32usize), (33, 64), (70, 16), (192, 64)] {
-            let x: Vec<Vec<f32>> = (0..m).map(|_| (0..width).map(|_| rng.normal() as f32).collect()).collect();
-            let mut dst = vec![0xdead_beef; 40];
-            let wp = super::pack_transposed(&mut dst, m, width, |i| &x[i]);
-            assert_eq!((wp, dst.len()), (m.next_multiple_of(32) / 2, width * wp));
-            let h = |i: usize, c: usize| if i < m { f32_to_bf16_bits(x[i][c]) as u32 } else { 0 };
-            for c in 0..width {
-                for w in 0..wp {
-                    assert_eq!(dst[c * wp + w], h(2 * w, c) | h(2 * w + 1, c) << 16, "pack_transposed m {m}: ({c}, {w})");
-                }
-            }
-        }
-    }
-
-    /// The training backward (AMX or `vdpbf16ps`) against the f32 twin (itself checked against finite
-    /// differences in tests/grpo_grad.rs) on the same bf16-rounded Q, K, V and dO, with the
-    /// forward's out and lse: it rounds dS (and P for dV) to bf16, ≤ 2⁻⁸ relative each, so
-    /// each of dQ, dK, dV within 0.5 % in norm (measured 0.15–0.17 % on AMX); every element written; each sequence alone gives the
-    /// bits it gets in the batch.
-    #[test]
-    fn dense_backward_matches_f32_twin_and_is_batch_invariant() {
-        use crate::backend::cpu::attention_dense::attn_dense_bwd;
-        if not_here() {
-            return;
-        }
-        for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (4, 1, 32)] {
-            let (g, seqs, row) = batch(nh, nkv, hd);
-            let (w, qd) = (g.qkv_dim(), g.q_dim());
-            let mut rng = Rng::new(6);
-            let qkv: Vec<f32> = (0..row * w).map(|_| r16((rng.normal() * 1.5) as f32) as f32).collect();
-            let dout: Vec<f32> = (0..row * qd).map(|_| r16(rng.normal() as f32) as f32).collect();
-            let (mut out, mut lse) = (vec![0f32; row * qd], vec![0f32; row * nh]);
-            attn_dense(&qkv, &seqs, g, &mut out, &mut lse, true);
-            let mut got = vec![f32::NAN; row * w];
-            attn_dense_bwd(&qkv, &out, &dout, &lse, &seqs, g, &mut got, true);
-            assert!(got.iter().all(|v| v.is_finite()), "every element of dqkv is written");
-            let mut want = vec![0f32; row * w];
-            attn_dense_bwd(&qkv, &out, &dout, &lse, &seqs, g, &mut want, false);
-            for (name, c0, c1) in [("dQ", 0, qd), ("dK", qd, qd + g.kv_dim()), ("dV", qd + g.kv_dim(), w)] {
-                let (mut d, mut r) = (0f64, 0f64);
-                for i in 0..row {
-                    for c in c0..c1 {
-                        d += (got[i * w + c] as f64 - want[i * w + c] as f64).powi(2);
-                        r += (want[i * w + c] as f64).powi(2);
-                    }
-                }
-                let e = (d / r).sqrt();
-                assert!(e < 5e-3, "{name} (heads {nh}/{nkv}, hd {hd}): ‖Δ‖/‖f32‖ = {e:.2e}");
-            }
-            for s in &seqs {
-                let one = &qkv[s.row0 * w..(s.row0 + s.len) * w];
-                let mut g1 = vec![0f32; s.len * w];
-                let one_seq = [DenseSeq { row0: 0, len: s.len }];
-                attn_dense_bwd(one, &out[s.row0 * qd..], &dout[s.row0 * qd..], &lse[s.row0 * nh..], &one_seq, g, &mut g1, true);
-                assert!(g1.iter().zip(&got[s.row0 * w..]).all(|(a, b)| a.to_bits() == b.to_bits()), "sequence of {} alone differs", s.len);
-            }
-        }
-    }
-}
+mod tests;

@@ -1,0 +1,216 @@
+//! Running what is left: the selection of cells, the dry run, the children spawned (logged, dying
+//! with the study), the study directory's lock and the progress line.
+use super::config::{LOCK_FILE, StudyConfig, p};
+use super::plan::{Cell, cells, eval_command, show_cmd, train_command};
+use super::identity::{finished, record, record_unrecorded};
+use super::report::report;
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub(super) fn fmt_dur(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
+    } else if s >= 60 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+/// What to run: the study, its selection of arms (`None` = all) and the binary to spawn.
+pub struct RunOptions<'a> {
+    pub only: Option<&'a [String]>,
+    pub dry_run: bool,
+    pub exe: PathBuf,
+}
+
+pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>) -> Result<Vec<Cell>> {
+    if let Some(o) = only {
+        for name in o {
+            if !cfg.arms.iter().any(|a| &a.name == name) {
+                bail!("--only: no arm named {name:?} (arms: {})", cfg.arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", "));
+            }
+        }
+    }
+    // the base evaluation always runs: every comparison needs it and it is cheap
+    Ok(cells(cfg).into_iter().filter(|c| c.seed.is_none() || only.is_none_or(|o| o.contains(&c.arm))).collect())
+}
+
+/// Run what is left of the study, then write the report. With `dry_run`, print the plan and the
+/// exact commands instead (nothing is created).
+pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
+    let cells = selected(cfg, o.only)?;
+    let total = cells.len();
+    if o.dry_run {
+        println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
+        for (i, c) in cells.iter().enumerate() {
+            let cmds: Vec<_> = train_command(cfg, c).into_iter().chain(cfg.evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
+            if cmds.is_empty() {
+                println!("[cell {}/{total}] {}: finished, skipped", i + 1, c.name());
+            }
+            for (what, args) in cmds {
+                println!("[cell {}/{total}] {}: {what}\n  {}", i + 1, c.name(), show_cmd(&o.exe, &args));
+            }
+        }
+        return Ok(());
+    }
+    crate::util::interrupt::install();
+    let _lock = lock(cfg)?;
+    let start = Instant::now();
+    let mut done_times: Vec<Duration> = Vec::new();
+    for (i, c) in cells.iter().enumerate() {
+        let tag = format!("[cell {}/{total}] {}", i + 1, c.name());
+        let left = to_train(&cells[i..]);
+        record_unrecorded(cfg, c, &tag)?;
+        if finished(cfg, c) {
+            eprintln!("{tag}: finished, skipped");
+            continue;
+        }
+        let t0 = Instant::now();
+        std::fs::create_dir_all(&c.dir).with_context(|| format!("cannot create {}", c.dir.display()))?;
+        let log = c.dir.join("log.txt");
+        // training first: the evaluations need its adapter
+        let trains = train_command(cfg, c);
+        let trained_now = trains.is_some();
+        if let Some((what, args)) = trains {
+            eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
+            record(cfg, c, "train")?;
+            spawn_logged(&o.exe, &args, &log, &tag)?;
+        }
+        for e in &cfg.evals {
+            if let Some((what, args)) = eval_command(cfg, c, e) {
+                eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
+                record(cfg, c, &what)?;
+                spawn_logged(&o.exe, &args, &log, &tag)?;
+            }
+        }
+        // the ETA comes from the cells trained in this sitting only: a cell that only evaluated
+        // (the base, or one trained in an earlier sitting) is much shorter
+        if trained_now {
+            done_times.push(t0.elapsed());
+        }
+        eprintln!("{tag}: done in {}", fmt_dur(t0.elapsed()));
+    }
+    report(cfg)?;
+    eprintln!("study finished in {}: {}/study.md", fmt_dur(start.elapsed()), p(&cfg.out));
+    Ok(())
+}
+
+/// Lock the study directory (created if missing) for this process's lifetime: one study
+/// process per directory (`.study.lock`).
+pub fn lock(cfg: &StudyConfig) -> Result<crate::util::lock::DirLock> {
+    crate::util::lock::lock_dir_named(&cfg.out, LOCK_FILE, "study out")
+}
+
+/// `--report-only`: rewrite the report from the finished evaluations, under the study's lock;
+/// refused when nothing has been evaluated yet (there is nothing to report).
+pub fn report_only(cfg: &StudyConfig) -> Result<Value> {
+    let any = cells(cfg).iter().any(|c| c.trained() && cfg.evals.iter().any(|e| c.evaluated(&e.name)));
+    if !any {
+        bail!(
+            "--report-only: nothing has run in {} yet (no cell has a finished evaluation): run the study first (without --report-only)",
+            p(&cfg.out)
+        );
+    }
+    let _lock = lock(cfg)?;
+    report(cfg)
+}
+
+/// The cells among these that still have to be trained (an arm's cell without its adapter):
+/// what the ETA multiplies the mean training cell's time by.
+pub(super) fn to_train(cells: &[Cell]) -> usize {
+    cells.iter().filter(|c| !c.trained()).count()
+}
+
+/// `elapsed …, ETA …`: the mean time of the cells trained in this sitting times the cells left
+/// to train (`left`, the current one included); no ETA once nothing is left to train.
+pub(super) fn progress(start: Instant, done: &[Duration], left: usize) -> String {
+    let el = format!("elapsed {}", fmt_dur(start.elapsed()));
+    if left == 0 {
+        return el;
+    }
+    if done.is_empty() {
+        return format!("{el}, ETA after the first trained cell");
+    }
+    let mean = done.iter().sum::<Duration>() / done.len() as u32;
+    format!("{el}, ETA {}", fmt_dur(mean * left as u32))
+}
+
+/// Run one subcommand with its output appended to the cell's log; a failure names the cell,
+/// the command, the log and its last lines.
+pub(super) fn spawn_logged(exe: &Path, args: &[String], log: &Path, tag: &str) -> Result<()> {
+    let cmd = show_cmd(exe, args);
+    // a signal that came between two subprocesses: stop before starting the next
+    if crate::util::interrupt::requested() {
+        bail!("{tag}: interrupted; run the same study command again to resume");
+    }
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).with_context(|| format!("cannot open {}", log.display()))?;
+    writeln!(f, "\n== {} {cmd}", unix_now())?;
+    let err = f.try_clone()?;
+    let mut command = std::process::Command::new(exe);
+    command.args(args).stdin(std::process::Stdio::null()).stdout(f).stderr(err);
+    die_with_parent(&mut command);
+    let mut child = command.spawn().with_context(|| format!("{tag}: cannot start {cmd}"))?;
+    // a SIGTERM/SIGHUP sent to the study alone is passed on, so the cell saves its checkpoint
+    let mut forwarded = false;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if crate::util::interrupt::requested() && !forwarded {
+            #[cfg(unix)]
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGINT);
+            }
+            forwarded = true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines[lines.len().saturating_sub(15)..].join("\n    ");
+    if crate::util::interrupt::requested() {
+        bail!("{tag}: interrupted ({status}); run the same study command again to resume (log {})", log.display());
+    }
+    bail!("{tag}: command failed ({status}):\n  {cmd}\n  log: {}\n  last lines:\n    {tail}", log.display())
+}
+
+/// The child dies with the study, however the study ends (`kill -9` included): Linux sends it
+/// SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), and a child whose parent died before the
+/// request took hold (it was reparented: getppid is no longer the study) exits at once. A killed
+/// `train` resumes from its newest checkpoint when the study is run again. (The signal follows
+/// the spawning thread; the study spawns from the command's thread, which lives as long as the
+/// process.)
+pub(super) fn die_with_parent(command: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid, _exit)
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    libc::_exit(137);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = command;
+}
+
+pub(super) fn unix_now() -> String {
+    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format!("t={s}")
+}
