@@ -8,7 +8,8 @@
 //! PyTorch come from `tools/bench-compare.sh`; these isolate one kernel at a time.
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use infomem_engine::backend::cpu::bf16::{self, matmul_bf16, matmul_bf16_with, matmul_dx_bf16, matmul_dx_bf16_with, Kernel, PackedBf16};
-use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend, WeightDtype};
+use infomem_engine::backend::cpu::{attention, matmul, matmul::gemm_raw, CpuBackend};
+use infomem_engine::backend::Dtype;
 use infomem_engine::backend::{DenseSeq, TrainBackend};
 use infomem_engine::backend::{AttnGeom, AttnSeq, Backend};
 use std::hint::black_box;
@@ -78,7 +79,7 @@ fn prefill_attention(c: &mut Criterion) {
     g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(rows as u64)); // tokens
     // f32, and bf16 (its cache; on CPUs with AMX or AVX512_BF16 the bf16 attention of `attention::tiled`)
-    for (name, be) in [("f32", CpuBackend::new()), ("bf16", CpuBackend::with_weights(WeightDtype::Bf16))] {
+    for (name, be) in [("f32", CpuBackend::new()), ("bf16", CpuBackend::with_weights(Dtype::Bf16))] {
         let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
         let slots: Vec<u32> = (0..rows as u32).collect(); // sequence s owns pages s·8 .. s·8+8
         let qkv_buf = be.upload(&qkv).unwrap();
@@ -112,7 +113,7 @@ fn decode_attention(c: &mut Criterion) {
     let mut out = vec![0f32; rows * GEOM.q_dim()];
     let mut g = c.benchmark_group("decode attention");
     g.sample_size(20).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
-    for (name, dt, bytes) in [("f32", WeightDtype::F32, 4usize), ("bf16", WeightDtype::Bf16, 2)] {
+    for (name, dt, bytes) in [("f32", Dtype::F32, 4usize), ("bf16", Dtype::Bf16, 2)] {
         let be = CpuBackend::with_weights(dt);
         let mut kv = be.kv_new(GEOM, seqs_n * pages_per).unwrap();
         let slots: Vec<u32> = (0..rows as u32).collect();

@@ -22,14 +22,15 @@
 //! src/backend/cpu/bf16/.
 mod common;
 use common::*;
-use infomem_engine::backend::cpu::{CpuBackend, WeightDtype};
+use infomem_engine::backend::cpu::CpuBackend;
+use infomem_engine::backend::Dtype;
 use infomem_engine::backend::{Backend, SampleParams};
 use infomem_engine::rl::grpo;
 use infomem_engine::runtime::{self, Entry, GenRequest, Model, SchedOptions, Seq, Want};
 use infomem_engine::util::rng::Rng;
 
 fn tiny_bf16(arch: &str) -> Model<CpuBackend> {
-    Model::load(&fixtures().join(format!("tiny-{arch}")), CpuBackend::with_weights(WeightDtype::Bf16)).unwrap()
+    Model::load(&fixtures().join(format!("tiny-{arch}")), CpuBackend::with_weights(Dtype::Bf16)).unwrap()
 }
 
 #[test]
@@ -230,7 +231,7 @@ fn bf16_kv_cache_is_f32_attention_on_rounded_keys_and_values() {
         }
         out_all
     };
-    let bf = run(CpuBackend::with_weights(WeightDtype::Bf16), &qkv);
+    let bf = run(CpuBackend::with_weights(Dtype::Bf16), &qkv);
     let f32_on_rounded = run(CpuBackend::new(), &rounded);
     assert!(bf.iter().any(|&x| x != 0.0));
     assert_eq!(bf.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), f32_on_rounded.iter().map(|x| x.to_bits()).collect::<Vec<_>>());

@@ -760,8 +760,8 @@ fn optimizer_step_lowers_the_loss() {
 /// kept or only the top one (the rest recomputed).
 #[test]
 fn scratch_buffers_are_written_before_they_are_read() {
-    use infomem_engine::backend::cpu::WeightDtype;
-    for (arch, dtype) in [("qwen2", WeightDtype::F32), ("qwen3", WeightDtype::F32), ("llama", WeightDtype::Bf16), ("qwen2", WeightDtype::Bf16)] {
+    use infomem_engine::backend::Dtype;
+    for (arch, dtype) in [("qwen2", Dtype::F32), ("qwen3", Dtype::F32), ("llama", Dtype::Bf16), ("qwen2", Dtype::Bf16)] {
         let model = random_model_on(arch, 23, CpuBackend::with_weights(dtype));
         let (convs, _) = fd_batch(&model, 9);
         let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();

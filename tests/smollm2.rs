@@ -138,7 +138,7 @@ fn gains_match() {
 #[test]
 fn bf16_last_logits_and_greedy_within_bf16_bounds() {
     let Some(dir) = smol_dir() else { return };
-    let m = Model::load(&dir, CpuBackend::with_weights(infomem_engine::backend::cpu::WeightDtype::Bf16)).unwrap();
+    let m = Model::load(&dir, CpuBackend::with_weights(infomem_engine::backend::Dtype::Bf16)).unwrap();
     let compared = check_chat_cases(&m, 0.5, |i, got, want| {
         let maxref = want.iter().fold(1f32, |a, b| a.max(b.abs()));
         let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -154,7 +154,7 @@ fn bf16_last_logits_and_greedy_within_bf16_bounds() {
 #[test]
 fn bf16_dropping_unwanted_rows_from_the_last_layer_keeps_the_bits() {
     let Some(dir) = smol_dir() else { return };
-    let m = Model::load(&dir, CpuBackend::with_weights(infomem_engine::backend::cpu::WeightDtype::Bf16)).unwrap();
+    let m = Model::load(&dir, CpuBackend::with_weights(infomem_engine::backend::Dtype::Bf16)).unwrap();
     for (i, (got, want)) in pruned_vs_every_row(&m).into_iter().enumerate() {
         assert_eq!(got.to_bits(), want.to_bits(), "output {i}: {got} with unwanted rows dropped, {want} with every row kept");
     }
@@ -166,11 +166,11 @@ fn bf16_dropping_unwanted_rows_from_the_last_layer_keeps_the_bits() {
 /// the uninitialized run (tests/grpo_grad.rs has the tiny models' version).
 #[test]
 fn bf16_training_pass_writes_its_scratch_before_reading_it() {
-    use infomem_engine::backend::cpu::WeightDtype;
+    use infomem_engine::backend::Dtype;
     use infomem_engine::model::lora::{LoraAdapter, ALL_PROJS};
     use infomem_engine::runtime::backward::TrainSeq;
     let Some(dir) = smol_dir() else { return };
-    let mut m = Model::load(&dir, CpuBackend::with_weights(WeightDtype::Bf16)).expect("loading SmolLM2 in bf16");
+    let mut m = Model::load(&dir, CpuBackend::with_weights(Dtype::Bf16)).expect("loading SmolLM2 in bf16");
     let mut ad = LoraAdapter::init(&m.cfg, 8, 16.0, &ALL_PROJS, 5);
     let mut rng = Rng::new(6);
     for pair in ad.layers.iter_mut().flatten().flatten() {

@@ -62,6 +62,14 @@ impl Dtype {
         }
     }
 
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+
     /// What `--dtype auto` gives for the agent's work on this machine, and why: bf16 on CUDA (its
     /// only mode) and on a CPU with bf16 products (AMX or AVX512_BF16: 1.5-2.5x faster end to
     /// end, docs/RESULTS.md), else f32.

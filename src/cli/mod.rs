@@ -12,7 +12,7 @@ pub mod train;
 
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
-use infomem_engine::backend::cpu::{CpuBackend, WeightDtype};
+use infomem_engine::backend::cpu::CpuBackend;
 use infomem_engine::backend::{Backend, Dtype};
 use infomem_engine::runtime::Model;
 use std::path::PathBuf;
@@ -69,10 +69,7 @@ pub fn say_dtype(d: Dtype, why: &str) {
 
 /// The CPU backend for a dtype.
 pub fn cpu_backend_for(d: Dtype) -> CpuBackend {
-    CpuBackend::with_weights(match d {
-        Dtype::F32 => WeightDtype::F32,
-        Dtype::Bf16 => WeightDtype::Bf16,
-    })
+    CpuBackend::with_weights(d)
 }
 
 #[derive(Args, Clone, Debug)]

@@ -43,6 +43,7 @@ pub fn check_out_file(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: boo
 
 /// The empty placeholder of a new output (see [`check_out_file`]): removed on drop unless the
 /// command has written the real file over it (an atomic rename gives the path another inode).
+#[derive(Debug)]
 pub struct Reserved(Option<(PathBuf, u64, u64)>);
 
 impl Drop for Reserved {

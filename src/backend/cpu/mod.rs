@@ -24,25 +24,17 @@ pub mod sample;
 pub mod simd;
 pub mod swiglu;
 
-use super::{AdamWStep, AttnGeom, AttnSeq, Backend, LoraSlice, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
+use super::{AdamWStep, AttnGeom, AttnSeq, Backend, Dtype, LoraSlice, DenseSeq, HeadOut, SampleParams, Sampled, TrainBackend};
 use anyhow::{ensure, Result};
 use attention::CpuKv;
 pub use buf::CpuBuf;
 use buf::PackedWeight;
 
-/// How the CPU stores frozen weight matrices (`--dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightDtype {
-    /// f32, as loaded.
-    F32,
-    /// bf16 (rounded once at load), products with f32 accumulation (`cpu::bf16`).
-    Bf16,
-}
 
 #[derive(Clone, Debug)]
 pub struct CpuBackend {
     threads: usize,
-    weights: WeightDtype,
+    weights: Dtype,
     /// Keep LoRA unmerged in training with f32 weights too (tests: the unmerged passes against
     /// the f32 fixtures, without bf16's rounding in the way).
     unmerged: bool,
@@ -51,10 +43,10 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Uses rayon's global pool (sized by `init_threads` or `RAYON_NUM_THREADS`); f32 weights.
     pub fn new() -> Self {
-        Self::with_weights(WeightDtype::F32)
+        Self::with_weights(Dtype::F32)
     }
     /// Weight matrices stored as `weights` (everything else is f32 either way).
-    pub fn with_weights(weights: WeightDtype) -> Self {
+    pub fn with_weights(weights: Dtype) -> Self {
         CpuBackend { threads: rayon::current_num_threads(), weights, unmerged: false }
     }
     /// The training passes keep LoRA unmerged whatever the weight dtype (see `lora_unmerged`).
@@ -62,7 +54,7 @@ impl CpuBackend {
         self.unmerged = true;
         self
     }
-    pub fn weight_dtype(&self) -> WeightDtype {
+    pub fn weight_dtype(&self) -> Dtype {
         self.weights
     }
     pub fn threads(&self) -> usize {
@@ -116,8 +108,8 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> String {
         match self.weights {
-            WeightDtype::F32 => format!("cpu ({} threads, f32)", self.threads),
-            WeightDtype::Bf16 => {
+            Dtype::F32 => format!("cpu ({} threads, f32)", self.threads),
+            Dtype::Bf16 => {
                 format!("cpu ({} threads, bf16 weights, {})", self.threads, bf16::auto_kernel())
             }
         }
@@ -136,8 +128,8 @@ impl Backend for CpuBackend {
     fn upload_weight(&self, data: Vec<f32>, n: usize, k: usize) -> Result<CpuBuf> {
         ensure!(data.len() == n * k, "upload_weight: {} values for [{n}, {k}]", data.len());
         match self.weights {
-            WeightDtype::F32 => self.upload_vec(data),
-            WeightDtype::Bf16 => Ok(CpuBuf::packed(PackedWeight::from_f32(&data, n, k))),
+            Dtype::F32 => self.upload_vec(data),
+            Dtype::Bf16 => Ok(CpuBuf::packed(PackedWeight::from_f32(&data, n, k))),
         }
     }
     fn zeros(&self, n: usize) -> Result<CpuBuf> {
@@ -161,7 +153,7 @@ impl Backend for CpuBackend {
 
     fn kv_new(&self, geom: AttnGeom, max_pages: usize) -> Result<CpuKv> {
         // the KV cache follows the weights' dtype, as on CUDA (bf16 there always)
-        Ok(CpuKv::new(geom, max_pages, self.weights == WeightDtype::Bf16))
+        Ok(CpuKv::new(geom, max_pages, self.weights == Dtype::Bf16))
     }
     fn kv_copy_page(&self, kv: &mut CpuKv, src: u32, dst: u32, n_tokens: usize) -> Result<()> {
         kv.copy_page(src, dst, n_tokens);
@@ -211,8 +203,8 @@ impl Backend for CpuBackend {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
         // under --dtype bf16 the LoRA products take bf16 operands too (docs/DESIGN.md §3)
         match self.weights {
-            WeightDtype::Bf16 => lora::lora_bf16(x, a, b, scale, m, k, r, n_out, out, col0, ld),
-            WeightDtype::F32 => lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld),
+            Dtype::Bf16 => lora::lora_bf16(x, a, b, scale, m, k, r, n_out, out, col0, ld),
+            Dtype::F32 => lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld),
         }
         Ok(())
     }
@@ -351,7 +343,7 @@ impl TrainBackend for CpuBackend {
     }
     /// bf16 weights stay packed in training: LoRA runs beside them (docs/DESIGN.md §3).
     fn lora_unmerged(&self) -> bool {
-        self.weights == WeightDtype::Bf16 || self.unmerged
+        self.weights == Dtype::Bf16 || self.unmerged
     }
     fn lora_merge(&self, w: &mut CpuBuf, row0: usize, a: &CpuBuf, b: &CpuBuf, scale: f32, k: usize, r: usize, n_out: usize) -> Result<()> {
         ensure!(w.bf16().is_none(), "lora_merge: merge into an f32 copy of a bf16 weight (copy), not into the weight");
@@ -361,12 +353,12 @@ impl TrainBackend for CpuBackend {
     }
     fn attn_dense(&self, qkv: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, out: &mut CpuBuf, lse: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention_dense::attn_dense(qkv, seqs, g, out, lse, self.weights == WeightDtype::Bf16);
+        attention_dense::attn_dense(qkv, seqs, g, out, lse, self.weights == Dtype::Bf16);
         Ok(())
     }
     fn attn_dense_bwd(&self, qkv: &CpuBuf, out: &CpuBuf, dout: &CpuBuf, lse: &CpuBuf, seqs: &[DenseSeq], g: AttnGeom, dqkv: &mut CpuBuf) -> Result<()> {
         check_seqs(seqs, qkv.len(), g.qkv_dim())?;
-        attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == WeightDtype::Bf16);
+        attention_dense::attn_dense_bwd(qkv, out, dout, lse, seqs, g, dqkv, self.weights == Dtype::Bf16);
         Ok(())
     }
     fn rmsnorm_bwd(&self, x: &CpuBuf, w: &CpuBuf, dy: &CpuBuf, eps: f32, rows: usize, d: usize, dx: &mut CpuBuf, accumulate: bool) -> Result<()> {
@@ -434,8 +426,8 @@ impl TrainBackend for CpuBackend {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r, "lora_bwd: x, A or B smaller than [{m}, {k}], [{r}, {k}], [{n_out}, {r}]");
         ensure!(dx.as_ref().is_none_or(|d| d.len() >= m * k), "lora_bwd: dx smaller than [{m}, {k}]");
         match self.weights {
-            WeightDtype::Bf16 => lora::lora_bwd_bf16(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice())),
-            WeightDtype::F32 => lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()), None),
+            Dtype::Bf16 => lora::lora_bwd_bf16(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice())),
+            Dtype::F32 => lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()), None),
         }
         Ok(())
     }
@@ -516,7 +508,7 @@ mod tests {
     #[test]
     fn lora_shadows_follow_writes() {
         let mut rng = Rng::new(9);
-        let be = CpuBackend::with_weights(WeightDtype::Bf16);
+        let be = CpuBackend::with_weights(Dtype::Bf16);
         let (k, n, r) = (64usize, 96usize, 8usize);
         let w = be.upload_weight(rand(&mut rng, n * k), n, k).unwrap();
         let (a0, b0, a1) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, r * k));
@@ -551,7 +543,7 @@ mod tests {
     #[test]
     fn fused_ops_equal_the_separate_ops() {
         let mut rng = Rng::new(3);
-        for (dtype, n) in [(WeightDtype::Bf16, 1000usize), (WeightDtype::Bf16, 8200), (WeightDtype::F32, 1000)] {
+        for (dtype, n) in [(Dtype::Bf16, 1000usize), (Dtype::Bf16, 8200), (Dtype::F32, 1000)] {
             let be = CpuBackend::with_weights(dtype);
             let k = 72;
             let w = be.upload_weight(rand(&mut rng, n * k), n, k).unwrap();

@@ -129,7 +129,7 @@ pub(super) fn kv_store(be: &CudaBackend, kv: &mut CudaKv, layer: usize, qkv: &Cu
     let (pool, q) = (kv.ptr(), qkv.ptr());
     let (layer, n_layers, n_kv, hd, ps, q_dim, width) =
         (layer as i32, g.n_layers as i32, g.n_kv_heads as i32, g.head_dim as i32, g.page_size as i32, g.q_dim() as i32, g.qkv_dim() as i32);
-    launch!(be, &format!("kv_store_{}", qkv.dtype.suffix()), slots.len(), 128, pool, q, sp, layer, n_layers, n_kv, hd, ps, q_dim, width)
+    launch!(be, &format!("kv_store_{}", qkv.dtype.name()), slots.len(), 128, pool, q, sp, layer, n_layers, n_kv, hd, ps, q_dim, width)
 }
 
 pub(super) fn attention(be: &CudaBackend, kv: &CudaKv, layer: usize, qkv: &CudaBuf, seqs: &[AttnSeq], g: AttnGeom, out: &mut CudaBuf) -> Result<()> {
@@ -156,7 +156,7 @@ pub(super) fn attention(be: &CudaBackend, kv: &CudaKv, layer: usize, qkv: &CudaB
     let (layer, n_layers, n_kv, ps, width, q_dim, group) =
         (layer as i32, g.n_layers as i32, g.n_kv_heads as i32, g.page_size as i32, g.qkv_dim() as i32, g.q_dim() as i32, (g.n_heads / g.n_kv_heads) as i32);
     let scale_log2 = (1.0 / (g.head_dim as f32).sqrt()) * std::f32::consts::LOG2_E;
-    let name = format!("attention_hd{}_{}", g.head_dim, qkv.dtype.suffix());
+    let name = format!("attention_hd{}_{}", g.head_dim, qkv.dtype.name());
     launch!(be, &name, p.items.len(), ATTN_THREADS, pool, layer, n_layers, n_kv, ps, q, width, q_dim, group, o, sp, pg, ip, po, pm, scale_log2)?;
     if !p.combine.is_empty() {
         let cp = be.meta("attn_combine", bytemuck::cast_slice(&p.combine))?;

@@ -67,7 +67,7 @@ pub(super) fn attn_dense_bwd(be: &CudaBackend, qkv: &CudaBuf, out: &CudaBuf, dou
     let do16 = be.scratch("attn_dout16", p.rows * q_dim * 2)?;
     let dsum = be.scratch("attn_dsum", p.rows * nh * 4)?;
     let (outp, doutp, rows32, nh32, hd32) = (out.ptr(), dout.ptr(), p.rows as i32, nh as i32, hd as i32);
-    let prep = format!("attn_bwd_prep_{}_{}", out.dtype.suffix(), dout.dtype.suffix());
+    let prep = format!("attn_bwd_prep_{}_{}", out.dtype.name(), dout.dtype.name());
     launch!(be, &prep, (p.rows * nh).div_ceil(8), 256, outp, doutp, rows32, nh32, hd32, do16, dsum)?;
     let sp = be.meta("dense_seqs", bytemuck::cast_slice(&p.seqs))?;
     let qip = be.meta("dense_q_items", bytemuck::cast_slice(&p.q_items))?;

@@ -18,27 +18,8 @@ mod kernels {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 }
 
-/// Element type of a device buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    F32,
-    Bf16,
-}
-
-impl Dtype {
-    pub fn size(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::Bf16 => 2,
-        }
-    }
-    pub(super) fn suffix(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-        }
-    }
-}
+/// Element type of a device buffer: the library's one dtype.
+pub use crate::backend::Dtype;
 
 pub struct CudaBuf {
     pub(super) mem: DevMem,
@@ -96,7 +77,7 @@ impl CudaBuf {
         ensure!(
             n <= self.len && n * dtype.size() <= self.mem.len(),
             "cuda {op}: output of {n} {} elements does not fit a buffer of {} elements ({} bytes)",
-            dtype.suffix(),
+            dtype.name(),
             self.len,
             self.mem.len()
         );

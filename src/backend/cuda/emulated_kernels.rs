@@ -120,7 +120,7 @@ fn attn_bwd_prep_row_sums_and_bf16_copy() {
         let _op = be.enter().unwrap();
         let (do16, dsum) = (be.alloc(n * 2).unwrap(), be.alloc(rows * nh * 4).unwrap());
         let (outp, doutp, rows32, nh32, hd32, d16, dsp) = (ob.ptr(), gb.ptr(), rows as i32, nh as i32, hd as i32, do16.ptr(), dsum.ptr());
-        let name = format!("attn_bwd_prep_{}_{}", to.suffix(), td.suffix());
+        let name = format!("attn_bwd_prep_{}_{}", to.name(), td.name());
         launch!(be, &name, (rows * nh).div_ceil(8), 256, outp, doutp, rows32, nh32, hd32, d16, dsp).unwrap();
         let sums: Vec<f32> = be.dtoh(dsum.ptr(), rows * nh).unwrap();
         let copy: Vec<u16> = be.dtoh(do16.ptr(), n).unwrap();

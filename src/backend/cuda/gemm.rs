@@ -304,7 +304,7 @@ pub(super) fn matmul(be: &CudaBackend, x: &CudaBuf, w: &CudaBuf, bias: Option<&C
     if let Some(b) = bias {
         b.need(n, "matmul", "the bias")?;
         let (bp, n32, total) = (b.ptr(), n as i32, (m * n) as i64);
-        launch!(be, &format!("add_bias_{}", b.dtype.suffix()), grid_for(m * n, 256), 256, yp, bp, n32, total)?;
+        launch!(be, &format!("add_bias_{}", b.dtype.name()), grid_for(m * n, 256), 256, yp, bp, n32, total)?;
     }
     // a lazily merged weight: y[:, row0..row0 + n_out] += scale·(x Aᵀ) Bᵀ per pending pair
     for t in &w.terms {

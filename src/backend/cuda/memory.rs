@@ -78,5 +78,5 @@ pub(super) fn scatter_add_rows(be: &CudaBackend, src: &CudaBuf, rows: &[u32], d:
     let dp = CudaBackend::grad_acc(dst, n_dst * d, "scatter_add_rows", "dst")?;
     let rp = be.meta("rows", bytemuck::cast_slice(rows))?;
     let (sp, d32) = (src.ptr(), d as i32);
-    launch!(be, &format!("scatter_add_rows_{}", src.dtype.suffix()), rows.len(), 256, sp, rp, d32, dp)
+    launch!(be, &format!("scatter_add_rows_{}", src.dtype.name()), rows.len(), 256, sp, rp, d32, dp)
 }

@@ -37,7 +37,7 @@ pub(super) fn rmsnorm(be: &CudaBackend, x: &CudaBuf, w: &CudaBuf, eps: f32, rows
     let wp = be.weight_ptr(w, d, "rmsnorm", "the norm weight")?;
     out.set_output(rows * d, Dtype::Bf16, "rmsnorm")?;
     let (xp, op, d32) = (x.ptr(), out.ptr(), d as i32);
-    launch!(be, &format!("rmsnorm_{}", x.dtype.suffix()), rows, NORM_THREADS, xp, wp, eps, d32, op)
+    launch!(be, &format!("rmsnorm_{}", x.dtype.name()), rows, NORM_THREADS, xp, wp, eps, d32, op)
 }
 
 pub(super) fn add_rmsnorm(be: &CudaBackend, resid: &mut CudaBuf, delta: &CudaBuf, w: &CudaBuf, eps: f32, rows: usize, d: usize, out: &mut CudaBuf) -> Result<()> {
@@ -51,7 +51,7 @@ pub(super) fn add_rmsnorm(be: &CudaBackend, resid: &mut CudaBuf, delta: &CudaBuf
     let wp = be.weight_ptr(w, d, "add_rmsnorm", "the norm weight")?;
     out.set_output(rows * d, Dtype::Bf16, "add_rmsnorm")?;
     let (rp, dp, op, d32) = (resid.ptr(), delta.ptr(), out.ptr(), d as i32);
-    let name = format!("add_rmsnorm_{}_{}", resid.dtype.suffix(), delta.dtype.suffix());
+    let name = format!("add_rmsnorm_{}_{}", resid.dtype.name(), delta.dtype.name());
     launch!(be, &name, rows, NORM_THREADS, rp, dp, wp, eps, d32, op)
 }
 
@@ -64,7 +64,7 @@ pub(super) fn add(be: &CudaBackend, resid: &mut CudaBuf, delta: &CudaBuf, n: usi
     resid.need(n, "add", "resid")?;
     delta.need(n, "add", "delta")?;
     let (rp, dp, n64) = (resid.ptr(), delta.ptr(), n as i64);
-    let name = format!("add_{}_{}", resid.dtype.suffix(), delta.dtype.suffix());
+    let name = format!("add_{}_{}", resid.dtype.name(), delta.dtype.name());
     launch!(be, &name, grid_for(n, 256), 256, rp, dp, n64)
 }
 
@@ -83,7 +83,7 @@ pub(super) fn rmsnorm_bwd(be: &CudaBackend, x: &CudaBuf, w: &CudaBuf, dy: &CudaB
         dx.ptr()
     };
     let (xp, dyp, d32, acc) = (x.ptr(), dy.ptr(), d as i32, accumulate as i32);
-    let name = format!("rmsnorm_bwd_{}_{}", x.dtype.suffix(), dy.dtype.suffix());
+    let name = format!("rmsnorm_bwd_{}_{}", x.dtype.name(), dy.dtype.name());
     launch!(be, &name, rows, NORM_THREADS, xp, wp, dyp, eps, d32, dxp, acc)
 }
 
@@ -96,5 +96,5 @@ pub(super) fn accumulate(be: &CudaBackend, acc: &mut CudaBuf, x: &CudaBuf) -> Re
     }
     let ap = CudaBackend::grad_acc(acc, n, "accumulate", "acc")?;
     let (xp, n64) = (x.ptr(), n as i64);
-    launch!(be, &format!("add_f32_{}", x.dtype.suffix()), grid_for(n, 256), 256, ap, xp, n64)
+    launch!(be, &format!("add_f32_{}", x.dtype.name()), grid_for(n, 256), 256, ap, xp, n64)
 }

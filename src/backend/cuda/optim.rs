@@ -30,7 +30,7 @@ pub(super) fn sum_squares(be: &CudaBackend, x: &CudaBuf) -> Result<f64> {
     let blocks = n.div_ceil(OPT_THREADS as usize).min(SS_BLOCKS);
     let partial = be.scratch("ss_partial", blocks * 8)?;
     let (xp, n64) = (x.ptr(), n as i64);
-    launch!(be, &format!("sum_squares_{}", x.dtype.suffix()), blocks, OPT_THREADS, xp, n64, partial)?;
+    launch!(be, &format!("sum_squares_{}", x.dtype.name()), blocks, OPT_THREADS, xp, n64, partial)?;
     // the partials in block order: a fixed summation order
     Ok(be.dtoh::<f64>(partial, blocks)?.iter().sum())
 }

@@ -44,7 +44,7 @@ fn rotate(be: &CudaBackend, op: &str, buf: &str, qkv: &mut CudaBuf, positions: &
     let pp = be.meta("positions", bytemuck::cast_slice(positions))?;
     let fp = be.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
     let (q, heads, hd, width) = (qkv.ptr(), (g.n_heads + g.n_kv_heads) as i32, g.head_dim as i32, g.qkv_dim() as i32);
-    launch!(be, &format!("{op}_{}", qkv.dtype.suffix()), positions.len(), 128, q, pp, fp, heads, hd, width)
+    launch!(be, &format!("{op}_{}", qkv.dtype.name()), positions.len(), 128, q, pp, fp, heads, hd, width)
 }
 
 /// Threads per block of the q/k-norm kernels (`QKN_THREADS` in rope.cu: 4 warps, one head each).
@@ -68,7 +68,7 @@ pub(super) fn qk_norm_rope(be: &CudaBackend, qkv: &mut CudaBuf, q_norm: &CudaBuf
     let pp = be.meta("positions", bytemuck::cast_slice(positions))?;
     let fp = be.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
     let (q, nh, nkv, hd, width) = (qkv.ptr(), g.n_heads as i32, g.n_kv_heads as i32, g.head_dim as i32, g.qkv_dim() as i32);
-    launch!(be, &format!("{OP}_{}", qkv.dtype.suffix()), positions.len(), QKN_THREADS, q, pp, fp, qn, kn, eps, nh, nkv, hd, width)
+    launch!(be, &format!("{OP}_{}", qkv.dtype.name()), positions.len(), QKN_THREADS, q, pp, fp, qn, kn, eps, nh, nkv, hd, width)
 }
 
 /// Backward of [`qk_norm_rope`]: `dqkv`'s q/k heads (the gradient w.r.t. its output) become, in
@@ -90,7 +90,7 @@ pub(super) fn qk_norm_rope_bwd(be: &CudaBackend, pre: &CudaBuf, q_norm: &CudaBuf
     let pp = be.meta("positions", bytemuck::cast_slice(positions))?;
     let fp = be.meta("inv_freq", bytemuck::cast_slice(inv_freq))?;
     let (xp, dp, nh, nkv, hd, width) = (pre.ptr(), dqkv.ptr(), g.n_heads as i32, g.n_kv_heads as i32, g.head_dim as i32, g.qkv_dim() as i32);
-    let name = format!("{OP}_{}_{}", pre.dtype.suffix(), dqkv.dtype.suffix());
+    let name = format!("{OP}_{}_{}", pre.dtype.name(), dqkv.dtype.name());
     launch!(be, &name, positions.len(), QKN_THREADS, xp, qn, kn, dp, pp, fp, eps, nh, nkv, hd, width)
 }
 

@@ -32,7 +32,7 @@ pub(super) fn sample(be: &CudaBackend, logits: &CudaBuf, vocab: usize, params: &
     let res = be.scratch("sample_out", rows * 8)?;
     let (lp, tok, vocab32) = (logits.ptr(), res, vocab as i32);
     let lps = res + (rows * 4) as u64;
-    launch!(be, &format!("sample_{}", logits.dtype.suffix()), rows, SAMPLE_THREADS, lp, vocab32, tp, pp, up, tok, lps)?;
+    launch!(be, &format!("sample_{}", logits.dtype.name()), rows, SAMPLE_THREADS, lp, vocab32, tp, pp, up, tok, lps)?;
     let toks: Vec<u32> = be.dtoh(tok, rows)?;
     let lps: Vec<f32> = be.dtoh(lps, rows)?;
     Ok(toks.into_iter().zip(lps).map(|(token, logprob)| Sampled { token, logprob }).collect())

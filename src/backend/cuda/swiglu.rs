@@ -24,7 +24,7 @@ pub(super) fn swiglu(be: &CudaBackend, gate_up: &CudaBuf, m: usize, i: usize, ou
     gate_up.need(m * 2 * i, "swiglu", "gate_up")?;
     out.set_output(m * i, Dtype::Bf16, "swiglu")?;
     let (gp, op, m64, i32_) = (gate_up.ptr(), out.ptr(), m as i64, i as i32);
-    launch!(be, &format!("swiglu_{}", gate_up.dtype.suffix()), grid_for(m * i, 256), 256, gp, m64, i32_, op)
+    launch!(be, &format!("swiglu_{}", gate_up.dtype.name()), grid_for(m * i, 256), 256, gp, m64, i32_, op)
 }
 
 pub(super) fn swiglu_bwd(be: &CudaBackend, gate_up: &CudaBuf, dact: &CudaBuf, m: usize, i: usize, dgate_up: &mut CudaBuf) -> Result<()> {
@@ -36,6 +36,6 @@ pub(super) fn swiglu_bwd(be: &CudaBackend, gate_up: &CudaBuf, dact: &CudaBuf, m:
     dact.need(m * i, "swiglu_bwd", "dact")?;
     dgate_up.set_output(m * 2 * i, Dtype::F32, "swiglu_bwd")?;
     let (gp, dp, op, m64, i32_) = (gate_up.ptr(), dact.ptr(), dgate_up.ptr(), m as i64, i as i32);
-    let name = format!("swiglu_bwd_{}_{}", gate_up.dtype.suffix(), dact.dtype.suffix());
+    let name = format!("swiglu_bwd_{}_{}", gate_up.dtype.name(), dact.dtype.name());
     launch!(be, &name, grid_for(m * i, 256), 256, gp, dp, m64, i32_, op)
 }
