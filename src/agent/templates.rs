@@ -36,15 +36,43 @@ impl Default for Templates {
 }
 
 impl Templates {
-    /// Read a TOML file with `update = "..."`, `final = "..."`, optional `empty_memory`.
+    /// Read a TOML file with `update = "..."`, `final = "..."`, optional `empty_memory`; any
+    /// other key (a table included) is refused by name, with the key it resembles.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read templates file {}", path.display()))?;
-        let t: Templates = toml::from_str(&text).with_context(|| format!("{}: expected TOML with `update` and `final` strings", path.display()))?;
+        let text = crate::util::fs::read_input_text(path, "templates file", MAX_TEMPLATES_BYTES)?;
+        let table: toml::Table =
+            toml::from_str(&text).with_context(|| format!("{}: expected TOML with `update` and `final` strings", path.display()))?;
+        for k in table.keys() {
+            if !KEYS.contains(&k.as_str()) {
+                let hint = match crate::data::keys::near_miss(k, &KEYS) {
+                    Some(near) => format!(" (did you mean `{near}`?)"),
+                    None => String::new(),
+                };
+                bail!("{}: unknown key `{k}`{hint}; a templates file has only {}", path.display(), KEYS.map(|k| format!("`{k}`")).join(", "));
+            }
+        }
+        let t: Templates =
+            table.try_into().with_context(|| format!("{}: expected TOML with `update` and `final` strings", path.display()))?;
         t.validate().with_context(|| format!("in {}", path.display()))?;
         Ok(t)
     }
 
     pub fn validate(&self) -> Result<()> {
+        if self.final_.contains("{chunk}") {
+            bail!("the final template must not contain {{chunk}}");
+        }
+        // a `{word}` that is not a slot would reach the model as literal text: a misspelt slot
+        // (`{memroy}`) would leave the prompt without the memory
+        for (name, text, slots) in [("update", &self.update, &["question", "chunk", "memory"][..]), ("final", &self.final_, &["question", "memory"][..])] {
+            if let Some(p) = placeholders(text).into_iter().find(|p| !slots.contains(p)) {
+                let list = slots.iter().map(|s| format!("{{{s}}}")).collect::<Vec<_>>().join(", ");
+                let hint = match crate::data::keys::near_miss(p, slots) {
+                    Some(near) => format!(" (did you mean {{{near}}}?)"),
+                    None => String::new(),
+                };
+                bail!("the {name} template has an unknown placeholder {{{p}}}{hint}; its slots are {list}");
+            }
+        }
         for (name, text, slots) in [
             ("update", &self.update, &["{question}", "{chunk}", "{memory}"][..]),
             ("final", &self.final_, &["{question}", "{memory}"][..]),
@@ -57,14 +85,33 @@ impl Templates {
                 }
             }
         }
-        if self.final_.contains("{chunk}") {
-            bail!("the final template must not contain {{chunk}}");
-        }
         if self.empty_memory.trim().is_empty() {
             bail!("empty_memory must be a non-empty text (the model reads it as the initial memory)");
         }
         Ok(())
     }
+}
+
+/// The keys of a templates file.
+const KEYS: [&str; 3] = ["update", "final", "empty_memory"];
+
+/// Largest templates file read: a prompt template of more than 1 MiB is not one.
+const MAX_TEMPLATES_BYTES: u64 = 1 << 20;
+
+/// The names of the `{identifier}` patterns of `text` (an ASCII letter or `_`, then letters,
+/// digits or `_`), in order. Other braces (`{}`, `{ x }`, JSON such as `{"a": 1}`) are text.
+fn placeholders(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find('{') {
+        rest = &rest[i + 1..];
+        let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
+        let name = &rest[..end];
+        if rest[end..].starts_with('}') && name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
+            out.push(name);
+        }
+    }
+    out
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,5 +198,21 @@ mod tests {
         let mut t = Templates::default();
         t.final_.push_str("{memory}");
         assert!(t.validate().unwrap_err().to_string().contains("2 times"));
+        // a `{word}` that is not a slot is refused, naming it and the slots
+        let mut t = Templates::default();
+        t.update.push_str(" {bogus}");
+        let e = t.validate().unwrap_err().to_string();
+        assert!(e.contains("{bogus}") && e.contains("{question}, {chunk}, {memory}"), "{e}");
+        let mut t = Templates::default();
+        t.final_.push_str(" {memroy}");
+        let e = t.validate().unwrap_err().to_string();
+        assert!(e.contains("{memroy}") && e.contains("did you mean {memory}") && e.contains("{question}, {memory}"), "{e}");
+        // other braces are text
+        let mut t = Templates::default();
+        t.update.push_str(" Reply as JSON: {\"memory\": \"...\"} or {} or { memory } or {1st}.");
+        t.validate().unwrap();
+        assert_eq!(placeholders("a {b} {c d} {_e}{f}} {{g}} {"), vec!["b", "_e", "f", "g"]);
+        // the shipped example still loads
+        Templates::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/demo-templates.toml")).unwrap();
     }
 }

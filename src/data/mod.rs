@@ -6,6 +6,7 @@
 //! answers (the first is the canonical one, used by the gain reward). Files are JSONL, one record
 //! a line: `{"id","question","context","answers","task","meta"}`.
 pub mod filler;
+pub mod keys;
 pub mod read;
 pub mod synth;
 
@@ -59,6 +60,17 @@ pub fn write_jsonl(path: &Path, records: &[QaRecord]) -> Result<()> {
         out.push('\n');
     }
     crate::util::fs::write_atomic_str(path, &out).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// `x` written compactly for a message: as `{}` writes it when that is short, else in
+/// exponent form (`1e-300`, not a 300-digit decimal).
+pub fn short_num(x: f64) -> String {
+    let plain = format!("{x}");
+    if plain.len() <= 16 {
+        plain
+    } else {
+        format!("{x:e}")
+    }
 }
 
 /// Characters per token assumed when no tokenizer is given. Measured with SmolLM2's tokenizer

@@ -9,10 +9,20 @@
 //! - answers: `"answers"` or `"answer"` (or `"outputs"`), a string, a number or a list of them;
 //! - optional: `"id"`/`"_id"`, `"task"`/`"dataset"`, `"meta"` (kept as is), `"supporting_facts"`.
 //!
+//! Other keys: a near miss of one of the keys above ([`RECORD_KEYS`]; `"tsk"`, `"Answers"`,
+//! `"contxt"`, see [`super::keys::near_miss`]) is an error naming the key it resembles, never a
+//! silent default (a lost `"task"` would label the record with the file's name). Any other key
+//! is kept in the record's `meta` when its value is a string, a number or a boolean and the record
+//! has no `"meta"` object of its own; otherwise it is dropped (a top-level `"target_tokens"` is
+//! kept beside a given `"meta"`).
+//!
 //! A file whose first character is `[` is a JSON array (HotpotQA's distractor files are detected
 //! by their `supporting_facts` and list-valued contexts); anything else is JSONL. Errors name the
 //! file and the 1-based line (of the JSONL line, or where the array element starts). A JSONL line
-//! may be at most [`MAX_LINE_BYTES`] long.
+//! may be at most [`MAX_LINE_BYTES`] long: the file is read a line at a time, and a longer line
+//! is an error (or skipped with `skip_bad`) without ever being held in memory. The input must be
+//! a regular file: a FIFO would block the read, a device such as /dev/zero would be read without
+//! end.
 use super::{QaRecord, TokenCounter, DEFAULT_CHARS_PER_TOKEN};
 use crate::model::tokenizer::TextTokenizer;
 use crate::util::rng::Rng;
@@ -20,6 +30,7 @@ use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::Path;
 
 /// Longest JSONL line (one record) the reader accepts: 32 MiB, about 7M tokens of English text.
@@ -143,9 +154,24 @@ fn parse_doc(v: &Value, what: &str) -> std::result::Result<Doc, String> {
     }
 }
 
+/// Every top-level key the reader reads (see the module doc).
+pub const RECORD_KEYS: &[&str] = &[
+    "question", "input", "query", "answers", "answer", "outputs", "context", "documents", "id", "_id", "task", "dataset",
+    "meta", "supporting_facts", "target_tokens",
+];
+
 /// One record from a JSON value; the error is the reason, without file and line.
 fn parse_record(v: &Value, source: &str, line: usize, default_task: &str) -> std::result::Result<Parsed, String> {
     let o = v.as_object().ok_or_else(|| "expected a JSON object".to_string())?;
+    // a misspelt key would be ignored and a default used in its place (a "tsk" makes the task
+    // the file's name, which eval groups accuracy by): a near miss of a known key is refused
+    for k in o.keys() {
+        if let Some(known) = super::keys::near_miss(k, RECORD_KEYS) {
+            return Err(format!(
+                "unknown key {k:?} looks like a misspelling of {known:?}; rename it (or move it under \"meta\" if it is metadata)"
+            ));
+        }
+    }
     let (qkey, q) = ["question", "input", "query"]
         .iter()
         .find_map(|k| o.get(*k).map(|q| (*k, q)))
@@ -197,17 +223,16 @@ fn parse_record(v: &Value, source: &str, line: usize, default_task: &str) -> std
         }
         _ => return Err(format!("\"{ckey}\" must be a string or a list of documents")),
     };
-    let id = o
-        .get("id")
-        .or_else(|| o.get("_id"))
-        .and_then(as_text)
-        .unwrap_or_else(|| format!("{source}-{line}"));
-    let task = o
-        .get("task")
-        .or_else(|| o.get("dataset"))
-        .and_then(Value::as_str)
-        .map(String::from)
-        .unwrap_or_else(|| default_task.to_string());
+    // present but of the wrong type is an error, not the default (the task labels eval's rows)
+    let present = |keys: [&'static str; 2]| keys.into_iter().find_map(|k| o.get(k).filter(|v| !v.is_null()).map(|v| (k, v)));
+    let id = match present(["id", "_id"]) {
+        Some((k, v)) => as_text(v).ok_or_else(|| format!("\"{k}\" must be a string or a number"))?,
+        None => format!("{source}-{line}"),
+    };
+    let task = match present(["task", "dataset"]) {
+        Some((k, v)) => v.as_str().map(String::from).ok_or_else(|| format!("\"{k}\" must be a string"))?,
+        None => default_task.to_string(),
+    };
     let meta = match o.get("meta") {
         Some(Value::Object(m)) => {
             let mut m = m.clone();
@@ -218,15 +243,14 @@ fn parse_record(v: &Value, source: &str, line: usize, default_task: &str) -> std
             Value::Object(m)
         }
         _ => {
-            let known = [
-                "question", "input", "query", "answers", "answer", "outputs", "context", "documents", "id", "_id", "task",
-                "meta", "supporting_facts",
-            ];
             let mut m = Map::new();
             m.insert("source".into(), json!(source));
             m.insert("line".into(), json!(line));
             for (k, v) in o {
-                if !known.contains(&k.as_str()) && (v.is_string() || v.is_number() || v.is_boolean()) {
+                // every scalar other than the fields themselves is kept ("dataset" and
+                // "target_tokens" included: eval reads the latter from meta)
+                let field = RECORD_KEYS.contains(&k.as_str()) && k != "dataset" && k != "target_tokens";
+                if !field && (v.is_string() || v.is_number() || v.is_boolean()) {
                     m.insert(k.clone(), v.clone());
                 }
             }
@@ -290,12 +314,94 @@ fn line_of(text: &str, byte: usize) -> usize {
     text.as_bytes()[..byte.min(text.len())].iter().filter(|&&c| c == b'\n').count() + 1
 }
 
+/// The first byte that is not ASCII whitespace (after a UTF-8 byte-order mark), the file then
+/// rewound to its start.
+fn first_non_space(file: &mut std::fs::File) -> std::io::Result<Option<u8>> {
+    let mut buf = [0u8; 1 << 16];
+    let mut at_start = true;
+    let found = loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break None;
+        }
+        let mut chunk = &buf[..n];
+        if at_start {
+            chunk = chunk.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(chunk);
+            at_start = false;
+        }
+        if let Some(&c) = chunk.iter().find(|c| !c.is_ascii_whitespace()) {
+            break Some(c);
+        }
+    };
+    file.seek(SeekFrom::Start(0))?;
+    Ok(found)
+}
+
+enum Line {
+    /// A line (its `\n` and a `\r` before it removed) is in the buffer.
+    Text,
+    /// A line of this many bytes, over [`MAX_LINE_BYTES`], was passed over unread.
+    TooLong(u64),
+    End,
+}
+
+/// The next line of `r` into `buf`, holding at most [`MAX_LINE_BYTES`] + 2 bytes of it.
+fn next_line(r: &mut impl BufRead, buf: &mut Vec<u8>) -> std::io::Result<Line> {
+    buf.clear();
+    let limit = MAX_LINE_BYTES as u64 + 2; // the line and its "\r\n"
+    // one allocation of the most a line may take (its pages are touched only as the line fills
+    // them), not a doubling Vec that holds the old and the new block at each step
+    buf.reserve_exact(limit as usize);
+    let n = r.by_ref().take(limit).read_until(b'\n', buf)? as u64;
+    if n == 0 {
+        return Ok(Line::End);
+    }
+    let ended = buf.last() == Some(&b'\n');
+    if !ended && n == limit {
+        // pass over the rest of the line without keeping it
+        let mut len = n;
+        loop {
+            let chunk = r.fill_buf()?;
+            if chunk.is_empty() {
+                break;
+            }
+            match chunk.iter().position(|&c| c == b'\n') {
+                Some(i) => {
+                    len += i as u64;
+                    r.consume(i + 1);
+                    break;
+                }
+                None => {
+                    let k = chunk.len();
+                    len += k as u64;
+                    r.consume(k);
+                }
+            }
+        }
+        buf.clear();
+        return Ok(Line::TooLong(len));
+    }
+    if ended {
+        buf.pop();
+    }
+    if buf.last() == Some(&b'\r') {
+        buf.pop();
+    }
+    if buf.len() > MAX_LINE_BYTES {
+        let len = buf.len() as u64;
+        buf.clear();
+        return Ok(Line::TooLong(len));
+    }
+    Ok(Line::Text)
+}
+
 /// Read a file of records. See the module doc for the accepted shapes.
 pub fn read_records(path: &Path, opts: ReadOptions) -> Result<(Vec<QaRecord>, ReadReport)> {
     if opts.pad_to_tokens == Some(0) {
         bail!("padding to 0 tokens: the target length must be at least 1 token");
     }
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    crate::util::fs::check_regular_file(path, "data file")?;
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     let stem = path.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
     let shown = path.display();
     let mut report = ReadReport::default();
@@ -308,9 +414,11 @@ pub fn read_records(path: &Path, opts: ReadOptions) -> Result<(Vec<QaRecord>, Re
             bail!("{shown}: line {line}: {why}")
         }
     };
-    let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
-    let first = body.iter().find(|c| !c.is_ascii_whitespace()).copied();
+    let first = first_non_space(&mut file).with_context(|| format!("cannot read {}", path.display()))?;
     if first == Some(b'[') {
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).with_context(|| format!("cannot read {}", path.display()))?;
+        let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
         let text = std::str::from_utf8(body).map_err(|e| {
             let line = body[..e.valid_up_to()].iter().filter(|&&c| c == b'\n').count() + 1;
             anyhow::anyhow!("{shown}: line {line}: not valid UTF-8")
@@ -330,14 +438,26 @@ pub fn read_records(path: &Path, opts: ReadOptions) -> Result<(Vec<QaRecord>, Re
         }
     } else {
         report.format = "jsonl".into();
-        for (k, raw) in body.split(|&c| c == b'\n').enumerate() {
-            let line = k + 1;
-            let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
-            if raw.len() > MAX_LINE_BYTES {
-                let why = format!("line of {:.1} MiB, longer than the {} MiB a record may take", raw.len() as f64 / (1 << 20) as f64, MAX_LINE_BYTES >> 20);
-                fail(&mut report, line, why)?;
-                continue;
-            }
+        let mut reader = BufReader::with_capacity(1 << 16, file);
+        let mut buf = Vec::new();
+        let mut line = 0usize;
+        loop {
+            let got = next_line(&mut reader, &mut buf).with_context(|| format!("cannot read {}", path.display()))?;
+            line += 1;
+            let raw: &[u8] = match got {
+                Line::End => break,
+                Line::TooLong(len) => {
+                    let why = format!(
+                        "line of {:.1} MiB, longer than the {} MiB a record may take",
+                        len as f64 / (1 << 20) as f64,
+                        MAX_LINE_BYTES >> 20
+                    );
+                    fail(&mut report, line, why)?;
+                    continue;
+                }
+                Line::Text => &buf,
+            };
+            let raw = if line == 1 { raw.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(raw) } else { raw };
             if raw.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }

@@ -81,6 +81,13 @@ pub enum VarQuestion {
 /// far from overflow (`--tokens 2^64-1` used to give 11-token documents).
 pub const MAX_TOKENS: usize = 4_000_000;
 
+/// Most characters per token `--chars-per-token` may claim. Real tokenizers give 2 to 6 on
+/// English text; the estimate rounds each filler sentence to whole tokens, and at hundreds of
+/// characters a token every sentence rounds to 0, so the filler never reached its target (the
+/// generator drew sentences forever, gigabytes of them). At 64 a sentence of 32 characters
+/// still counts one token.
+pub const MAX_CHARS_PER_TOKEN: f64 = 64.0;
+
 #[derive(Clone, Debug)]
 pub struct SynthConfig {
     pub task: Task,
@@ -156,9 +163,9 @@ impl SynthConfig {
         );
         ensure!((3..=12).contains(&self.digits), "--digits must be between 3 and 12, got {}", self.digits);
         ensure!(
-            self.chars_per_token.is_finite() && self.chars_per_token > 0.5,
-            "--chars-per-token must be a positive number, got {}",
-            self.chars_per_token
+            self.chars_per_token.is_finite() && self.chars_per_token > 0.5 && self.chars_per_token <= MAX_CHARS_PER_TOKEN,
+            "--chars-per-token must be more than 0.5 and at most {MAX_CHARS_PER_TOKEN} (tokenizers give 2 to 6 characters a token; SmolLM2 about 4.6), got {}",
+            super::short_num(self.chars_per_token)
         );
         match self.task {
             Task::Needle => ensure!(self.distractors() == 0, "needle has no distractors (use --task multikey)"),
@@ -533,9 +540,19 @@ struct FillerDraw<'a> {
 }
 
 impl FillerDraw<'_> {
-    /// Draw whole paragraphs until the pieces hold at least `want` tokens.
+    /// Draw whole paragraphs until the pieces hold at least `want` tokens. Paragraphs that add no
+    /// token at all (every sentence measured as 0 tokens) end it with an error after a while,
+    /// rather than drawing forever.
     fn draw_until(&mut self, want: usize) -> Result<()> {
+        let mut empty_in_a_row = 0usize;
         while *self.cum.last().unwrap() < want {
+            let before = *self.cum.last().unwrap();
+            if empty_in_a_row >= 1000 {
+                bail!(
+                    "the filler's sentences measure 0 tokens each ({}): the document can never reach its size",
+                    self.counter.describe()
+                );
+            }
             let mut first = true;
             for s in self.source.paragraph() {
                 if mentions_any(&s, self.terms_lower) {
@@ -551,6 +568,11 @@ impl FillerDraw<'_> {
                 self.pieces.push(FillerPiece { text: s, cost, new_para: first });
                 self.cum.push(self.cum.last().unwrap() + cost);
                 first = false;
+            }
+            if *self.cum.last().unwrap() == before {
+                empty_in_a_row += 1;
+            } else {
+                empty_in_a_row = 0;
             }
         }
         Ok(())

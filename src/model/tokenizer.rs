@@ -27,13 +27,52 @@ impl ChatMessage {
     }
 }
 
-fn token_string(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(Value::as_str).map(String::from),
-        _ => None,
+/// A special-token field of tokenizer_config.json: absent or null (none), a string, or an
+/// AddedToken object with a string `content`. Anything else is an error naming the file and the
+/// key: a wrong type would otherwise leave the model without its end-of-sequence token, silently.
+fn token_string(cfg: &Value, key: &str, file: &Path) -> Result<Option<String>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Object(o)) => match o.get("content") {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            _ => bail!("{}: \"{key}\" is an object without a string \"content\" (expected a token string or {{\"content\": \"...\"}})", file.display()),
+        },
+        Some(other) => bail!(
+            "{}: \"{key}\" is {}, expected a token string (or {{\"content\": \"...\"}}, or null)",
+            file.display(),
+            json_kind(other)
+        ),
     }
 }
+
+/// "a list", "a number", … for messages about a JSON value of the wrong type.
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// An id of generation_config.json's `eos_token_id` (a number or a list of them).
+fn token_id(v: &Value, file: &Path) -> Result<u32> {
+    v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| {
+        anyhow!("{}: \"eos_token_id\" holds {v}, which is not a token id (a non-negative integer)", file.display())
+    })
+}
+
+/// The special-token fields of tokenizer_config.json that are checked (bos and eos are read;
+/// the others would be wrong the same way).
+const SPECIAL_TOKEN_KEYS: [&str; 7] = ["bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"];
+
+/// Largest tokenizer.json read (the biggest real ones, 250K-token vocabularies, are ~35 MB).
+const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
+/// Largest tokenizer_config.json / chat_template.jinja / generation_config.json read.
+const MAX_TOKENIZER_CONFIG_BYTES: u64 = 64 << 20;
 
 impl TextTokenizer {
     /// Load `tokenizer.json` (+ chat template) from an HF directory. `Ok(None)` when the directory
@@ -44,43 +83,64 @@ impl TextTokenizer {
         if crate::util::fs::stat(&tpath)?.is_none() {
             return Ok(None);
         }
-        let tok = tokenizers::Tokenizer::from_file(&tpath)
-            .map_err(|e| anyhow!("cannot load {}: {e}", tpath.display()))?;
+        // every file is checked to be a regular file first: a FIFO would block the read, a
+        // device would be read without end, a directory would fail with an obscure message
+        let text = crate::util::fs::read_input_text(&tpath, "tokenizer file", MAX_TOKENIZER_BYTES)?;
+        let tok: tokenizers::Tokenizer =
+            text.parse().map_err(|e| anyhow!("cannot load {}: {e}", tpath.display()))?;
+        drop(text);
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: Value = if crate::util::fs::stat(&cfg_path)?.is_some() {
-            let text = std::fs::read_to_string(&cfg_path)
-                .with_context(|| format!("cannot read {}", cfg_path.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cfg_path.display()))?
+            let text = crate::util::fs::read_input_text(&cfg_path, "tokenizer config", MAX_TOKENIZER_CONFIG_BYTES)?;
+            let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cfg_path.display()))?;
+            if !v.is_object() {
+                bail!("{}: expected a JSON object, found {}", cfg_path.display(), json_kind(&v));
+            }
+            v
         } else {
             Value::Null
         };
         // transformers prefers chat_template.jinja over the tokenizer_config.json entry.
         let jinja_path = dir.join("chat_template.jinja");
-        let chat_template = if crate::util::fs::stat(&jinja_path)?.is_some() {
-            Some(std::fs::read_to_string(&jinja_path).with_context(|| format!("cannot read {}", jinja_path.display()))?)
-        } else {
-            match cfg.get("chat_template") {
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Array(list)) => list
-                    .iter()
-                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                    .and_then(|t| t.get("template").and_then(Value::as_str))
-                    .map(String::from),
-                _ => None,
-            }
+        // the config's entry is checked even where the .jinja file wins: a wrong type is an error
+        let config_template = match cfg.get("chat_template") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template").and_then(Value::as_str))
+                .map(String::from),
+            Some(other) => bail!(
+                "{}: \"chat_template\" is {}, expected a string (or a list of {{\"name\", \"template\"}})",
+                cfg_path.display(),
+                json_kind(other)
+            ),
         };
-        let bos_token = token_string(cfg.get("bos_token"));
-        let eos_token = token_string(cfg.get("eos_token"));
+        let chat_template = if crate::util::fs::stat(&jinja_path)?.is_some() {
+            Some(crate::util::fs::read_input_text(&jinja_path, "chat template", MAX_TOKENIZER_CONFIG_BYTES)?)
+        } else {
+            config_template
+        };
+        for key in SPECIAL_TOKEN_KEYS {
+            token_string(&cfg, key, &cfg_path)?;
+        }
+        let bos_token = token_string(&cfg, "bos_token", &cfg_path)?;
+        let eos_token = token_string(&cfg, "eos_token", &cfg_path)?;
         let mut eos_ids: Vec<u32> = config_eos.to_vec();
         let gen_path = dir.join("generation_config.json");
         if crate::util::fs::stat(&gen_path)?.is_some() {
-            let text = std::fs::read_to_string(&gen_path).with_context(|| format!("cannot read {}", gen_path.display()))?;
+            let text = crate::util::fs::read_input_text(&gen_path, "generation config", MAX_TOKENIZER_CONFIG_BYTES)?;
             let g: Value = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not valid JSON", gen_path.display()))?;
             match g.get("eos_token_id") {
-                Some(Value::Array(a)) => eos_ids.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32)),
-                Some(Value::Number(n)) => eos_ids.extend(n.as_u64().map(|x| x as u32)),
-                _ => {}
+                None | Some(Value::Null) => {}
+                Some(Value::Array(a)) => {
+                    for x in a {
+                        eos_ids.push(token_id(x, &gen_path)?);
+                    }
+                }
+                Some(x) => eos_ids.push(token_id(x, &gen_path)?),
             }
         }
         if let Some(e) = &eos_token {
