@@ -357,10 +357,11 @@ fn a_new_output_is_reserved_so_a_second_command_is_refused_at_once() {
     first.args(a.args("rollout", &a.data, &out, &["--group-size", "8"]));
     let mut child = first.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
     let t0 = Instant::now();
-    while !out.exists() && t0.elapsed() < Duration::from_secs(20) {
+    let lock = a.tmp.path().join(".race.jsonl.lock");
+    while !lock.exists() && t0.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(5));
     }
-    let second = a.fails("rollout", &a.data, &out, &[], &["--out", "already exists"]);
+    let second = a.fails("rollout", &a.data, &out, &[], &["--out", "race.jsonl", "in use by another run"]);
     assert!(!second.stderr.contains("panicked"));
     assert!(child.wait().unwrap().success());
     assert!(std::fs::read_to_string(&out).unwrap().lines().count() >= 3, "the first command's output is whole");
@@ -368,7 +369,8 @@ fn a_new_output_is_reserved_so_a_second_command_is_refused_at_once() {
     let out2 = a.tmp.path().join("never.jsonl");
     a.fails("rollout", &a.data, &out2, &["--group-size", "0"], &["--group-size"]);
     a.fails("rollout", &a.tmp.path().join("missing.jsonl"), &out2, &[], &["missing.jsonl"]);
-    assert!(!out2.exists(), "a failed rollout left its reserved --out behind");
+    assert!(!out2.exists() && !a.tmp.path().join(".never.jsonl.lock").exists(), "a failed rollout left its reservation behind");
+    assert!(!lock.exists(), "the finished rollout left its reservation behind");
 }
 
 #[test]

@@ -22,7 +22,7 @@ echo "== data: needle task, ~170-token documents (2 chunks of 128 tokens), numer
 [ -f "$OUT/heldout.jsonl" ] || $B data synth --task needle --tokens 170 --count 50 --seed 200 --model "$SMOL" --out "$OUT/heldout.jsonl"
 
 echo "== base model on 50 held-out questions (greedy)"
-[ -f "$OUT/eval-base/results.json" ] || $B eval --model "$SMOL" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-base"
+[ -f "$OUT/eval-base/results.json" ] || $B eval --model "$SMOL" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-base" --overwrite
 
 echo "== GRPO training (examples/demo-train.toml)"
 if [ -f "$OUT/train/adapter/adapter_model.safetensors" ]; then
@@ -36,7 +36,7 @@ else
 fi
 
 echo "== trained adapter on the same held-out questions (greedy)"
-[ -f "$OUT/eval-trained/results.json" ] || $B eval --model "$SMOL" --adapter "$OUT/train/adapter" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-trained"
+[ -f "$OUT/eval-trained/results.json" ] || $B eval --model "$SMOL" --adapter "$OUT/train/adapter" --data "$OUT/heldout.jsonl" "${AGENT[@]}" "${DT[@]}" --out "$OUT/eval-trained" --overwrite
 
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -14,45 +14,42 @@ use std::path::{Path, PathBuf};
 const HOW: &str = "pass --overwrite to replace it, or choose another path";
 
 /// An output file: writable, not one of `inputs`, and new unless `overwrite`. A new output is
-/// reserved now (created empty, exclusively), so a second command started on the same path is
-/// refused at once instead of both computing and the last rename winning; the reservation is
-/// removed again if the command ends without writing it (hold the guard until the end).
+/// reserved now by a lock next to it (`.{name}.lock`, held for the command's life; the kernel
+/// drops it however the command ends), so a second command started on the same path is refused
+/// at once instead of both computing and the last rename winning. The output path itself is
+/// untouched until the command writes it whole. Hold the guard until the end.
 pub fn check_out_file(flag: &str, out: &Path, inputs: &[PathBuf], overwrite: bool) -> Result<Reserved> {
     check_writable_file(flag, out)?;
     check_not_input(flag, out, inputs)?;
     // symlink_metadata: a dangling symlink is an existing entry too (writing replaces it)
-    if !overwrite && out.symlink_metadata().is_ok() {
+    let exists = || out.symlink_metadata().is_ok();
+    if !overwrite && exists() {
         bail!("{flag} {}: already exists; {HOW}", out.display());
     }
     if overwrite {
         return Ok(Reserved(None));
     }
-    if let Some(dir) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("{flag} {}: cannot create {}", out.display(), dir.display()))?;
+    let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("{flag} {}: cannot create {}", out.display(), dir.display()))?;
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let lock = infomem_engine::util::lock::lock_file(&dir.join(format!(".{name}.lock")), &format!("{flag} {}", out.display()))?;
+    // checked again under the lock: another command may have finished it meanwhile
+    if exists() {
+        bail!("{flag} {}: already exists (another command just wrote it); {HOW}", out.display());
     }
-    match std::fs::OpenOptions::new().write(true).create_new(true).open(out) {
-        Ok(f) => {
-            use std::os::unix::fs::MetadataExt;
-            let m = f.metadata().with_context(|| format!("{flag} {}", out.display()))?;
-            Ok(Reserved(Some((out.to_path_buf(), m.dev(), m.ino()))))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => bail!("{flag} {}: already exists (another command just created it); {HOW}", out.display()),
-        Err(e) => Err(e).with_context(|| format!("{flag} {}: cannot create it", out.display())),
-    }
+    Ok(Reserved(Some(lock)))
 }
 
-/// The empty placeholder of a new output (see [`check_out_file`]): removed on drop unless the
-/// command has written the real file over it (an atomic rename gives the path another inode).
+/// The lock that reserves a new output (see [`check_out_file`]); its file is removed on drop.
 #[derive(Debug)]
-pub struct Reserved(Option<(PathBuf, u64, u64)>);
+pub struct Reserved(Option<infomem_engine::util::lock::DirLock>);
 
 impl Drop for Reserved {
     fn drop(&mut self) {
-        use std::os::unix::fs::MetadataExt;
-        if let Some((p, dev, ino)) = &self.0 {
-            if std::fs::symlink_metadata(p).is_ok_and(|m| m.dev() == *dev && m.ino() == *ino && m.len() == 0) {
-                let _ = std::fs::remove_file(p);
-            }
+        if let Some(l) = self.0.take() {
+            let p = l.path.clone();
+            drop(l);
+            let _ = std::fs::remove_file(p);
         }
     }
 }
@@ -176,10 +173,9 @@ mod tests {
         {
             // a new output is reserved while the guard lives, and released unwritten
             let g = check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).unwrap();
-            let e = check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).unwrap_err().to_string();
-            assert!(e.contains("already exists"), "{e}");
+            assert!(!t.path().join("new.jsonl").exists(), "the output path is untouched until written");
             drop(g);
-            assert!(!t.path().join("new.jsonl").exists());
+            assert!(!t.path().join(".new.jsonl.lock").exists());
             // written over (a rename): kept
             let g = check_out_file("--out", &t.path().join("new.jsonl"), &ins, false).unwrap();
             infomem_engine::util::fs::write_atomic_str(&t.path().join("new.jsonl"), "x").unwrap();

@@ -33,7 +33,17 @@ pub fn lock_dir(dir: &Path, what: &str) -> Result<DirLock> {
 /// the file says which kind of process holds it).
 pub fn lock_dir_named(dir: &Path, name: &str, what: &str) -> Result<DirLock> {
     std::fs::create_dir_all(dir).with_context(|| format!("{what}: cannot create {}", dir.display()))?;
-    let path = dir.join(name);
+    lock_path(&dir.join(name), &format!("{what} {}", dir.display()), what)
+}
+
+/// Lock the file `path` (created when missing) or fail: the reservation of a new output file
+/// (`cli::output`). `what` names the flag and the output, for the message.
+pub fn lock_file(path: &Path, what: &str) -> Result<DirLock> {
+    lock_path(path, what, "path")
+}
+
+fn lock_path(path: &Path, subject: &str, what: &str) -> Result<DirLock> {
+    let path = path.to_path_buf();
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true).write(true).create(true);
     #[cfg(unix)]
@@ -42,7 +52,7 @@ pub fn lock_dir_named(dir: &Path, name: &str, what: &str) -> Result<DirLock> {
         // never lock (and write a pid into) whatever a planted symlink points to
         opts.custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
     }
-    let mut file = opts.open(&path).with_context(|| format!("{what}: cannot open the lock file {}", path.display()))?;
+    let mut file = opts.open(&path).with_context(|| format!("{subject}: cannot open the lock file {}", path.display()))?;
     #[cfg(unix)]
     {
         use std::os::unix::io::AsRawFd;
@@ -57,16 +67,15 @@ pub fn lock_dir_named(dir: &Path, name: &str, what: &str) -> Result<DirLock> {
                     Err(_) => "a process that has not written its pid yet".to_string(),
                 };
                 bail!(
-                    "{what} {} is in use by another run ({holder}, holding {}); wait for it to finish or stop it, or choose another {what}",
-                    dir.display(),
+                    "{subject} is in use by another run ({holder}, holding {}); wait for it to finish or stop it, or choose another {what}",
                     path.display()
                 );
             }
-            return Err(e).with_context(|| format!("{what}: cannot lock {}", path.display()));
+            return Err(e).with_context(|| format!("{subject}: cannot lock {}", path.display()));
         }
     }
     // the lock is ours: record our pid for whoever is refused next
     file.set_len(0).and_then(|_| file.rewind()).and_then(|_| writeln!(file, "{}", std::process::id())).and_then(|_| file.flush())
-        .with_context(|| format!("{what}: cannot write {}", path.display()))?;
+        .with_context(|| format!("{subject}: cannot write {}", path.display()))?;
     Ok(DirLock { _file: file, path })
 }
