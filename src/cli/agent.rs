@@ -184,9 +184,7 @@ fn check_kv<B: Backend>(model: &Model<B>, a: &AgentArgs, cfg: &AgentConfig, recs
             cfg.group_size
         );
     }
-    let c = &model.cfg;
-    let bytes = kv as u128 * (c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2) as u128;
-    limits::check_memory(bytes, &format!("--kv-tokens {kv}: the KV cache"), "lower --kv-tokens (or leave it out)")
+    limits::check_memory(limits::kv_bytes(&model.cfg, kv as u128), &format!("--kv-tokens {kv}: the KV cache"), "lower --kv-tokens (or leave it out)")
 }
 
 /// Every file the command reads: an output must not be one of them.
@@ -438,7 +436,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     if let Some(l) = a.lengths.iter().enumerate().find_map(|(i, l)| a.lengths[..i].contains(l).then_some(l)) {
         bail!("--lengths lists {l} more than once: each length is one row, evaluated once");
     }
-    if let Some(d) = a.data.iter().enumerate().find_map(|(i, d)| a.data[..i].iter().any(|e| same_file(d, e)).then_some(d)) {
+    if let Some(d) = a.data.iter().enumerate().find_map(|(i, d)| a.data[..i].iter().any(|e| limits::same_file(d, e)).then_some(d)) {
         bail!("--data lists {} more than once: its questions would be counted twice", d.display());
     }
     let ins = inputs(&a.model, &a.agent, &a.data);
@@ -459,21 +457,9 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .and_then(|()| crate::with_model!(a.model, super::Work::Agent, |model| eval_on(&model, &a)));
     if res.is_err() && created {
         // nothing of this run is left behind: its lock, and the directory it made
-        let path = lock.path.clone();
-        drop(lock);
-        let _ = std::fs::remove_file(path);
-        let _ = std::fs::remove_dir(&a.out);
+        lock.remove_if_only_lock();
     }
     res
-}
-
-/// Two paths naming one file (after symlinks and hard links).
-fn same_file(a: &Path, b: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
-        _ => a == b,
-    }
 }
 
 /// Refuse a `--lengths` row whose records are not about that long: records longer than the

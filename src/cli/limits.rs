@@ -103,7 +103,7 @@ pub fn check_not_input(flag: &str, out: &Path, inputs: &[PathBuf]) -> Result<()>
     if o.is_dir() {
         return Ok(());
     }
-    let same = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.dev() == o.dev() && m.ino() == o.ino());
+    let same = |p: &Path| std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (o.dev(), o.ino()));
     for input in inputs {
         if let Some(hit) = find_file(input, 3, &same) {
             bail!(
@@ -114,6 +114,16 @@ pub fn check_not_input(flag: &str, out: &Path, inputs: &[PathBuf]) -> Result<()>
         }
     }
     Ok(())
+}
+
+/// Two paths naming one file (after symlinks and hard links); paths that cannot be read are
+/// compared as written.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
+        _ => a == b,
+    }
 }
 
 /// The files of a model or adapter directory that loading reads (`*.json`, `*.safetensors`,
@@ -279,6 +289,12 @@ pub struct BenchPlan {
     pub held_bytes: u128,
 }
 
+/// Bytes of a KV cache of `tokens` tokens, K and V of every layer in bf16: a lower bound (the
+/// f32 path stores f32) for the memory checks.
+pub fn kv_bytes(cfg: &ModelConfig, tokens: u128) -> u128 {
+    tokens * (cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2) as u128
+}
+
 /// A `bench` shape against the model's positions and the memory available, before the model
 /// loads. The memory is a lower bound (K/V in bf16, each activation row's hidden and MLP
 /// vectors in f32 once): a shape refused here cannot run, one let through may still need more.
@@ -286,7 +302,7 @@ pub fn check_bench_fits(cfg: &ModelConfig, p: &BenchPlan) -> Result<()> {
     if p.positions > cfg.max_position as u128 {
         bail!("{}: sequences of {} positions, but the model has {}", p.what, p.positions, cfg.position_limit());
     }
-    let kv = p.kv_tokens * (cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2) as u128;
+    let kv = kv_bytes(cfg, p.kv_tokens);
     let row = ((cfg.hidden + 2 * cfg.intermediate) * 4) as u128 * if p.kept_layers { cfg.n_layers as u128 } else { 1 };
     let need = kv + p.rows * row + p.logit_rows * cfg.vocab as u128 * 4 + p.held_bytes;
     check_memory(need, &format!("{}: its KV cache and activations", p.what), "lower --batch or --seq-len")

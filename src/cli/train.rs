@@ -13,7 +13,7 @@ use infomem_engine::runtime::Model;
 use infomem_engine::util::progress;
 use serde_json::json;
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct GrpoGradArgs {
@@ -270,16 +270,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let res = train_locked(&a, cfg, &explicit, &why);
     if res.is_err() && created {
         // a run that failed before writing anything leaves no directory (nor lock) behind
-        let only_lock = std::fs::read_dir(lock.path.parent().unwrap_or(Path::new("."))).map(|rd| rd.count() == 1).unwrap_or(false);
-        if only_lock {
-            let dir = lock.path.parent().map(Path::to_path_buf);
-            let path = lock.path.clone();
-            drop(lock);
-            let _ = std::fs::remove_file(path);
-            if let Some(d) = dir {
-                let _ = std::fs::remove_dir(d);
-            }
-        }
+        lock.remove_if_only_lock();
     }
     res
 }

@@ -29,6 +29,21 @@ pub fn lock_dir(dir: &Path, what: &str) -> Result<DirLock> {
     lock_dir_named(dir, LOCK_FILE, what)
 }
 
+impl DirLock {
+    /// Release the lock and, when the directory holds nothing but its lock file, remove both:
+    /// what a command that created the directory and failed before writing leaves behind.
+    pub fn remove_if_only_lock(self) {
+        let path = self.path.clone();
+        let Some(dir) = path.parent().map(Path::to_path_buf) else { return };
+        let only_lock = std::fs::read_dir(&dir).map(|rd| rd.count() == 1).unwrap_or(false);
+        drop(self);
+        if only_lock {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_dir(&dir);
+        }
+    }
+}
+
 /// [`lock_dir`] with another lock file name (`study` locks its directory with `.study.lock`, so
 /// the file says which kind of process holds it).
 pub fn lock_dir_named(dir: &Path, name: &str, what: &str) -> Result<DirLock> {
