@@ -200,16 +200,17 @@ fn lora_products(c: &mut Criterion) {
         let (x, a, b) = (data(m * k, 1), data(r * k, 2), data(n * r, 3));
         let mut out = data(m * ld, 4);
         let (mut da, mut db, mut dx) = (vec![0f32; r * k], vec![0f32; n * r], vec![0f32; m * k]);
+        let pair = lora::Pair::new(&a, &b, 2.0, r, 0, n);
         g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
-        g.bench_function(format!("forward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
+        g.bench_function(format!("forward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora(&x, m, k, &pair, &mut out, ld)));
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
-        g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx), None)));
+        g.bench_function(format!("backward {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd(&x, m, k, &pair, &out, ld, (&mut da, &mut db), Some(&mut dx), None)));
         // `--dtype bf16`'s: bf16 operands, f32 sums (AMX tiles, else `vdpbf16ps`, else the f32
         // kernel on rounded values: `bf16::thin::products_bf`)
         g.throughput(Throughput::Elements((2 * m * r * (k + n)) as u64));
-        g.bench_function(format!("forward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bf16(&x, &a, &b, 2.0, m, k, r, n, &mut out, 0, ld)));
+        g.bench_function(format!("forward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bf16(&x, m, k, &pair, &mut out, ld)));
         g.throughput(Throughput::Elements((2 * m * r * (3 * k + 2 * n)) as u64));
-        g.bench_function(format!("backward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd_bf16(&x, &a, &b, 2.0, m, k, r, n, &out, 0, ld, &mut da, &mut db, Some(&mut dx))));
+        g.bench_function(format!("backward bf16 {name} {m}x{k}→{n} r{r}"), |bch| bch.iter(|| lora::lora_bwd_bf16(&x, m, k, &pair, &out, ld, (&mut da, &mut db), Some(&mut dx))));
     }
     // A training backward's input gradient with its pairs' gradients, one op (`dy·W` with the
     // pairs fused, as `TrainBackend::matmul_dx_lora` runs it under `--dtype bf16`): q/k/v and

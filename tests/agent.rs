@@ -28,9 +28,7 @@ fn queries() -> Vec<QaRecord> {
 
 fn cfg(share: bool, n: usize, temperature: f32) -> AgentConfig {
     AgentConfig {
-        chunk_tokens: 48,
-        memory_tokens: 10,
-        answer_tokens: 5,
+        budget: infomem_engine::agent::Budget { chunk_tokens: 48, memory_tokens: 10, answer_tokens: 5 },
         group_size: n,
         temperature,
         top_p: 1.0,

@@ -397,6 +397,24 @@ fn runs_of_different_kinds_and_inputs_never_share_a_directory() {
     a.fails("eval", &a.data, &t.join("e3"), &["--data", s(&copy)], &["record id", "twice"]);
 }
 
+/// One KV sizing for the agent (`agent::rollout_kv_tokens`, which `train`'s steps and its CUDA
+/// memory plan call too): the cache `eval` and `rollout` say a batch needs is that function's
+/// value for the same budgets, group and questions.
+#[test]
+fn eval_and_rollout_size_the_kv_cache_by_the_one_function() {
+    use infomem_engine::agent::{rollout_kv_tokens, Budget};
+    let a = Agent::new();
+    let out = a.tmp.path().join("kv.jsonl");
+    let text = std::fs::read_to_string(&a.data).unwrap();
+    let questions: Vec<String> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["question"].as_str().unwrap().to_string()).collect();
+    let budget = Budget { chunk_tokens: 40, memory_tokens: 8, answer_tokens: 4 };
+    for (cmd, group) in [("eval", 1), ("rollout", 2)] {
+        let o = a.fails(cmd, &a.data, &out, &["--kv-tokens", "1", "--batch-queries", "100"], &["--kv-tokens 1", "needs"]);
+        let need: usize = o.stderr.split(" needs ").nth(1).and_then(|t| t.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{}", o.stderr));
+        assert_eq!(need, rollout_kv_tokens(&budget, group, questions.iter().map(|q| q.as_str())), "{cmd}: {}", o.stderr);
+    }
+}
+
 #[test]
 fn zero_and_unholdable_batch_settings_are_refused_before_the_rollout() {
     let a = Agent::new();

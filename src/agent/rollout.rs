@@ -13,6 +13,7 @@
 //! naive loop), which the tests use as the reference.
 //!
 //! [`rollout`] lists the phases; each is a function below, in the order they run.
+use super::budget::Budget;
 use super::templates::{PromptPlan, Templates};
 use super::trajectory::{ConvKind, Conversation, Trajectory, Turn};
 use crate::backend::{Backend, SampleParams};
@@ -27,9 +28,9 @@ use std::time::Instant;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentConfig {
-    pub chunk_tokens: usize,
-    pub memory_tokens: usize,
-    pub answer_tokens: usize,
+    /// Chunk, memory and answer tokens (flat keys in JSON).
+    #[serde(flatten)]
+    pub budget: Budget,
     pub group_size: usize,
     /// 0 → greedy.
     pub temperature: f32,
@@ -52,9 +53,7 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     fn default() -> Self {
         AgentConfig {
-            chunk_tokens: 512,
-            memory_tokens: 256,
-            answer_tokens: 32,
+            budget: Budget::default(),
             group_size: 1,
             temperature: 0.0,
             top_p: 1.0,
@@ -72,8 +71,9 @@ impl Default for AgentConfig {
 
 impl AgentConfig {
     pub fn validate(&self) -> Result<()> {
-        if self.chunk_tokens == 0 || self.memory_tokens == 0 || self.answer_tokens == 0 || self.group_size == 0 {
-            bail!("chunk, memory and answer budgets and the group size must be positive");
+        self.budget.check()?;
+        if self.group_size == 0 {
+            bail!("the group size must be positive");
         }
         if !(self.temperature >= 0.0 && self.temperature.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
             bail!("temperature must be >= 0 and top-p in (0, 1]");
@@ -290,7 +290,7 @@ fn prepare<B: Backend>(cx: &Ctx<B>, queries: &[QaRecord]) -> Result<Vec<Prepared
         if q_ids.is_empty() {
             bail!("query {} ({}): empty question", qi, q.id);
         }
-        let chunks: Vec<Vec<u32>> = doc.chunks(cx.cfg.chunk_tokens).map(|c| c.to_vec()).collect();
+        let chunks: Vec<Vec<u32>> = doc.chunks(cx.cfg.budget.chunk_tokens).map(|c| c.to_vec()).collect();
         let final_empty = cx.fin.build(&q_ids, &[], &cx.empty_ids);
         prep.push(Prepared { gold_ids: cx.tok.encode(gold)?, q_ids, chunks, final_empty });
     }
@@ -431,7 +431,7 @@ fn generate_step<B: Backend>(
             reqs.push(GenRequest {
                 seq,
                 feed,
-                max_new: if is_final { cx.cfg.answer_tokens } else { cx.cfg.memory_tokens },
+                max_new: if is_final { cx.cfg.budget.answer_tokens } else { cx.cfg.budget.memory_tokens },
                 params: cx.cfg.params(),
                 rng: std::mem::replace(&mut s.rng, Rng::new(0)),
                 stop_ids: cx.eos.clone(),

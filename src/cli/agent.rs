@@ -1,9 +1,9 @@
 //! `rollout` and `eval`: the memory agent over a dataset.
-use super::limits::{self, Budgets, Held, Scored};
+use super::limits::{self, Held, Scored};
 use super::{print_json, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use infomem_engine::agent::{self, AgentConfig, RolloutStats, Templates, Trajectory};
+use infomem_engine::agent::{self, AgentConfig, Budget, RolloutStats, Templates, Trajectory};
 use infomem_engine::backend::Backend;
 use infomem_engine::data::{self, QaRecord, ReadOptions};
 use infomem_engine::eval;
@@ -17,15 +17,9 @@ use std::path::{Path, PathBuf};
 /// Options shared by every command that runs the memory agent.
 #[derive(Args, Debug, Clone)]
 pub struct AgentArgs {
-    /// Tokens per document chunk (a chunk never splits a token).
-    #[arg(long, default_value_t = 512)]
-    pub chunk_tokens: usize,
-    /// Budget of each memory rewrite (new tokens).
-    #[arg(long, default_value_t = 256)]
-    pub memory_tokens: usize,
-    /// Budget of the final answer (new tokens).
-    #[arg(long, default_value_t = 32)]
-    pub answer_tokens: usize,
+    /// --chunk-tokens, --memory-tokens, --answer-tokens.
+    #[command(flatten)]
+    pub budget: Budget,
     /// TOML file with `update` / `final` templates ({question}, {chunk}, {memory}) and `empty_memory`.
     #[arg(long)]
     pub templates: Option<PathBuf>,
@@ -141,13 +135,9 @@ pub struct EvalArgs {
 }
 
 impl AgentArgs {
-    pub fn budgets(&self) -> Budgets {
-        Budgets { chunk_tokens: self.chunk_tokens, memory_tokens: self.memory_tokens, answer_tokens: self.answer_tokens }
-    }
-
     /// The budgets and the batch sizes, before the model loads (a 0 was silently made 1).
     pub fn check(&self) -> Result<()> {
-        self.budgets().check()?;
+        self.budget.check()?;
         let max = infomem_engine::rl::trainer::MAX_TOKENS;
         for (flag, v) in [("--batch-queries", self.batch_queries), ("--max-batch-tokens", self.max_batch_tokens)] {
             if v == 0 || v > max {
@@ -161,15 +151,9 @@ impl AgentArgs {
     }
 }
 
-/// KV tokens one batch of `queries` rollout groups of `group` needs: every live conversation
-/// plus the shared prefixes, with page slack (the longest question's characters / 2 bound its
-/// tokens from above for the prompt's question slot).
+/// KV tokens one batch of queries needs (the one sizing, `agent::rollout_kv_tokens`).
 fn kv_need(cfg: &AgentConfig, queries: &[QaRecord]) -> usize {
-    let longest = queries.iter().map(|q| q.question.len() / 2 + 64).max().unwrap_or(64);
-    // saturating: the budgets were checked against the model's positions, but a size that
-    // overflows must stay huge rather than wrap to a small cache
-    let per_conv = (400 + longest + 2 * cfg.chunk_tokens.min(8192)).saturating_add(cfg.memory_tokens).saturating_add(cfg.answer_tokens);
-    queries.len().saturating_mul(cfg.group_size.saturating_add(3)).saturating_mul(per_conv)
+    agent::rollout_kv_tokens(&cfg.budget, cfg.group_size, queries.iter().map(|q| q.question.as_str()))
 }
 
 /// `--kv-tokens`, when given, against what a batch needs (else the rollout fails mid-way with
@@ -201,7 +185,7 @@ fn inputs(m: &ModelArgs, a: &AgentArgs, data: &[PathBuf]) -> Vec<PathBuf> {
 fn check_plan<B: Backend>(model: &Model<B>, a: &AgentArgs, templates: &Templates, recs: &[QaRecord], scored: Scored, group: usize) -> Result<Vec<usize>> {
     let name = model.dir.display().to_string();
     let held = Held { queries: recs.len(), group };
-    limits::check_agent_plan(&model.cfg, &name, model.tokenizer()?, templates, recs, &a.budgets(), scored, held)
+    limits::check_agent_plan(&model.cfg, &name, model.tokenizer()?, templates, recs, &a.budget, scored, held)
 }
 
 pub fn load_templates(a: &AgentArgs) -> Result<Templates> {
@@ -247,7 +231,7 @@ pub fn run_batches<B: Backend>(
     let bq = a.batch_queries;
     let mut total_convs = 0u64;
     for &n_tok in doc_tokens {
-        total_convs = total_convs.saturating_add((cfg.group_size as u64).saturating_mul(n_tok.div_ceil(cfg.chunk_tokens) as u64 + 1));
+        total_convs = total_convs.saturating_add((cfg.group_size as u64).saturating_mul(n_tok.div_ceil(cfg.budget.chunk_tokens) as u64 + 1));
     }
     let pb = progress::bar(total_convs, "conversations");
     pb.set_message(label.to_string());
@@ -294,9 +278,7 @@ fn merge_stats(acc: &mut RolloutStats, s: &RolloutStats) {
 /// The agent options and sampling; what is scored besides the outcome is the caller's to set.
 fn agent_config(a: &AgentArgs, group_size: usize, temperature: f32, top_p: f32, seed: u64) -> AgentConfig {
     AgentConfig {
-        chunk_tokens: a.chunk_tokens,
-        memory_tokens: a.memory_tokens,
-        answer_tokens: a.answer_tokens,
+        budget: a.budget,
         group_size,
         temperature,
         top_p,
@@ -557,8 +539,8 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     infomem_engine::util::fs::write_atomic(&a.out.join("predictions.jsonl"), &preds)?;
     let adapter = a.model.adapter.as_ref().map(|p| p.display().to_string());
     let title = format!("{} {}", model.dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), if adapter.is_some() { "+ adapter" } else { "(base)" });
-    let run = json!({"model": model.dir.display().to_string(), "adapter": adapter, "chunk_tokens": cfg.chunk_tokens,
-        "memory_tokens": cfg.memory_tokens, "answer_tokens": cfg.answer_tokens, "questions": items.len(), "seconds": st.total_s,
+    let run = json!({"model": model.dir.display().to_string(), "adapter": adapter, "chunk_tokens": cfg.budget.chunk_tokens,
+        "memory_tokens": cfg.budget.memory_tokens, "answer_tokens": cfg.budget.answer_tokens, "questions": items.len(), "seconds": st.total_s,
         "generated_tokens": st.generated_tokens, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
     eval::write_report(&a.out, &rows, &title, run.clone())?;
     eprint!("{}", eval::markdown_table(&rows));

@@ -74,12 +74,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return crate::with_model!(a.model, super::Work::Agent, |model| {
             let mut model = model;
             if model.lora.is_none() {
-                model.set_adapter(infomem_engine::rl::grpo::bench_adapter(&model.cfg))?;
+                model.set_adapter(infomem_engine::bench::bench_adapter(&model.cfg))?;
             }
             train_fit(&model, &a)?;
             measure(&model, &a, |s, seed| {
-                let shape = infomem_engine::rl::grpo::TrainShape { batch: s.batch, seq_len: s.seq_len, train_last: s.score_last };
-                infomem_engine::rl::grpo::run_train_bench(&model, shape, seed)
+                let shape = infomem_engine::bench::TrainShape { batch: s.batch, seq_len: s.seq_len, train_last: s.score_last };
+                infomem_engine::bench::run_train_bench(&model, shape, seed)
             })
         });
     }
@@ -159,15 +159,15 @@ fn bench_plan(a: &BenchArgs, s: BenchShape) -> super::limits::BenchPlan {
     let (b, l, n) = (s.batch as u128, s.seq_len as u128, s.new_tokens as u128);
     let what = format!("--work {} with --batch {} --seq-len {}", format!("{:?}", a.work).to_lowercase(), s.batch, s.seq_len);
     match a.work {
-        Work::Score => super::limits::BenchPlan { what, positions: l, kv_tokens: b * l, rows: b * l, kept_layers: false, logit_rows: b * s.score_last as u128, held_bytes: 0 },
-        Work::Decode => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + n, kv_tokens: b * (l + n), rows: b * l, kept_layers: false, logit_rows: b, held_bytes: 0 },
+        Work::Score => super::limits::BenchPlan { what, positions: l, kv_tokens: s.score_kv_tokens(), rows: b * l, kept_layers: false, logit_rows: b * s.score_last as u128, held_bytes: 0 },
+        Work::Decode => super::limits::BenchPlan { what: format!("{what} --new-tokens {}", s.new_tokens), positions: l + n, kv_tokens: s.decode_kv_tokens(), rows: b * l, kept_layers: false, logit_rows: b, held_bytes: 0 },
         Work::Train => super::limits::BenchPlan { what, positions: l, kv_tokens: 0, rows: b * l, kept_layers: true, logit_rows: b * s.score_last as u128, held_bytes: 0 },
         // per section: the section, the memory fed after it, the new memory
         // the sections are random ids held whole before the run (4 bytes a token)
         Work::Rollout => super::limits::BenchPlan {
             what: format!("{what} --new-tokens {} --chunks {}", s.new_tokens, a.chunks.unwrap_or(8)),
             positions: l + 2 * n,
-            kv_tokens: (b + 1) * (l + 2 * n),
+            kv_tokens: s.rollout_kv_tokens(),
             rows: l.max(2048),
             kept_layers: false,
             logit_rows: b,

@@ -5,7 +5,7 @@
 //! value at fault and what would be valid. `train` uses the same checks (see `check_agent_plan`,
 //! `check_lora_fits`).
 use anyhow::{anyhow, bail, Result};
-use infomem_engine::agent::{Conversation, PromptPlan, Templates};
+use infomem_engine::agent::{Budget, Conversation, PromptPlan, Templates};
 use infomem_engine::data::QaRecord;
 use infomem_engine::model::config::ModelConfig;
 use infomem_engine::model::lora::Proj;
@@ -310,27 +310,6 @@ pub fn check_bench_fits(cfg: &ModelConfig, p: &BenchPlan) -> Result<()> {
 
 // ---- the memory agent's budgets ---------------------------------------------------------------
 
-/// The agent's token budgets (`--chunk-tokens`, `--memory-tokens`, `--answer-tokens`).
-#[derive(Clone, Copy, Debug)]
-pub struct Budgets {
-    pub chunk_tokens: usize,
-    pub memory_tokens: usize,
-    pub answer_tokens: usize,
-}
-
-impl Budgets {
-    /// Every budget at least 1 (a 0 chunk divides by zero; 0 memory or answer tokens can say
-    /// nothing).
-    pub fn check(&self) -> Result<()> {
-        for (flag, v) in [("--chunk-tokens", self.chunk_tokens), ("--memory-tokens", self.memory_tokens), ("--answer-tokens", self.answer_tokens)] {
-            if v == 0 {
-                bail!("{flag} must be at least 1 (got 0)");
-            }
-        }
-        Ok(())
-    }
-}
-
 /// What is teacher-forced after the final prompt besides the answer: the gold answer (gain,
 /// memory curve) and the question (query gain).
 #[derive(Clone, Copy, Debug)]
@@ -360,7 +339,7 @@ pub fn check_agent_plan(
     tok: &TextTokenizer,
     templates: &Templates,
     recs: &[QaRecord],
-    b: &Budgets,
+    b: &Budget,
     scored: Scored,
     held: Held,
 ) -> Result<Vec<usize>> {

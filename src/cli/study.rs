@@ -122,7 +122,7 @@ impl study::Commands for Subcommands {
                 let matches = cmd.clone().try_get_matches_from(args).map_err(clap_error)?;
                 let c = EvalCmd::from_arg_matches(&matches).map_err(clap_error)?;
                 check_threads(c.threads)?;
-                c.args.agent.budgets().check()?;
+                c.args.agent.budget.check()?;
                 if c.args.lengths.contains(&0) {
                     bail!("--lengths: 0 is not a length to pad to (each must be at least 1 token)");
                 }

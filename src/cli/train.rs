@@ -6,7 +6,7 @@ use clap::Args;
 use infomem_engine::model::weights::write_safetensors;
 use infomem_engine::backend::Dtype;
 use infomem_engine::backend::TrainBackend;
-use infomem_engine::data::{self, ReadOptions};
+use infomem_engine::data::{self, QaRecord, ReadOptions};
 use infomem_engine::rl::grpo;
 use infomem_engine::rl::trainer::{self, TrainConfig, Trainer};
 use infomem_engine::runtime::Model;
@@ -299,7 +299,7 @@ fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>, wh
     let dtype = run_cfg.dtype.unwrap_or(Dtype::F32);
     super::say_dtype(dtype, if a.resume && !explicit.contains("dtype") { "the run's own, from its checkpoint" } else { why });
     match a.backend {
-        super::BackendKind::Cpu => train_on(Model::load(&model_dir, super::cpu_backend_for(dtype))?, a, cfg, &run_cfg),
+        super::BackendKind::Cpu => train_on(Model::load(&model_dir, super::cpu_backend_for(dtype))?, a, cfg, &run_cfg, |_, _, _| Ok(())),
         super::BackendKind::Cuda => {
             if dtype == Dtype::F32 {
                 // a resumed f32 run cannot continue on the CUDA backend (bf16 only)
@@ -308,8 +308,7 @@ fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>, wh
             #[cfg(feature = "cuda")]
             {
                 let model = Model::load(&model_dir, infomem_engine::backend::cuda::CudaBackend::new(0)?)?;
-                cuda_fit(&model, &run_cfg)?;
-                train_on(model, a, cfg, &run_cfg)
+                train_on(model, a, cfg, &run_cfg, cuda_fit)
             }
             #[cfg(not(feature = "cuda"))]
             {
@@ -322,13 +321,13 @@ fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>, wh
 /// Refuse, before the first step, a run whose rollout KV cache or update pass cannot fit next to
 /// the weights, naming the settings that would (backend::cuda::footprint).
 #[cfg(feature = "cuda")]
-fn cuda_fit(model: &Model<infomem_engine::backend::cuda::CudaBackend>, c: &TrainConfig) -> Result<()> {
+fn cuda_fit(model: &Model<infomem_engine::backend::cuda::CudaBackend>, c: &TrainConfig, recs: &[QaRecord]) -> Result<()> {
     use infomem_engine::backend::cuda::footprint::TrainMemPlan;
-    // the KV budget of one step, as Trainer::one_step sizes it
-    let per_query = (c.group_size + 3) * (600 + 2 * c.chunk_tokens + c.memory_tokens + c.answer_tokens);
-    // the longest single conversation (template + question + chunk + old and new memory) is a
-    // micro-batch of its own when it exceeds the budget
-    let longest = 600 + c.chunk_tokens + 2 * c.memory_tokens + c.answer_tokens;
+    // the KV budget of one step, as Trainer::one_step sizes it, for the data's longest question
+    let longest_q = recs.iter().max_by_key(|r| r.question.len()).map(|r| r.question.as_str()).unwrap_or("");
+    let per_query = infomem_engine::agent::rollout_kv_tokens(&c.budget(), c.group_size, [longest_q]);
+    // the longest single conversation is a micro-batch of its own when it exceeds the budget
+    let longest = c.budget().conversation_tokens(infomem_engine::agent::budget::question_tokens_bound(longest_q));
     let plan = TrainMemPlan {
         kv_tokens: c.queries_per_step * per_query,
         rollout_rows: c.max_batch_tokens,
@@ -352,7 +351,8 @@ fn cuda_fit(model: &Model<infomem_engine::backend::cuda::CudaBackend>, c: &Train
 }
 
 /// The training run on a loaded model (any backend): data, trainer, progress, final report.
-fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, run_cfg: &TrainConfig) -> Result<()> {
+/// `fit` checks the backend's memory plan once the data is known (CUDA; a no-op on the CPU).
+fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, run_cfg: &TrainConfig, fit: impl FnOnce(&Model<B>, &TrainConfig, &[QaRecord]) -> Result<()>) -> Result<()> {
     let model_dir = run_cfg.model.clone().unwrap();
     let data_path = run_cfg.data.clone().unwrap();
     let (recs, report) = data::read_records(&data_path, ReadOptions { tokenizer: model.tokenizer.as_ref(), ..Default::default() })?;
@@ -361,15 +361,15 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
     }
     // sizes that cannot fit are refused before anything is allocated: every record's
     // conversations against max_position_embeddings, a step's rollouts and the adapter in memory
-    let b = super::limits::Budgets { chunk_tokens: run_cfg.chunk_tokens, memory_tokens: run_cfg.memory_tokens, answer_tokens: run_cfg.answer_tokens };
     let scored = super::limits::Scored { gold: true, question: run_cfg.reward.signal() == infomem_engine::reward::Signal::QueryGain };
     let templates = match &run_cfg.templates {
         Some(p) => infomem_engine::agent::Templates::load(p)?,
         None => infomem_engine::agent::Templates::default(),
     };
     let held = super::limits::Held { queries: run_cfg.queries_per_step, group: run_cfg.group_size };
-    super::limits::check_agent_plan(&model.cfg, &model_dir.display().to_string(), model.tokenizer()?, &templates, &recs, &b, scored, held)?;
+    super::limits::check_agent_plan(&model.cfg, &model_dir.display().to_string(), model.tokenizer()?, &templates, &recs, &run_cfg.budget(), scored, held)?;
     super::limits::check_lora_fits(&model.cfg, run_cfg.lora_r, &run_cfg.targets()?)?;
+    fit(&model, run_cfg, &recs)?;
     let n_records = recs.len();
     let mut t = Trainer::new(cfg, a.resume, recs, move |_| Ok(model))?;
     if a.resume && t.step == t.cfg.steps {

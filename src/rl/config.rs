@@ -3,7 +3,7 @@
 //! or written.
 use crate::backend::Dtype;
 use crate::model::lora::Proj;
-use crate::agent::AgentConfig;
+use crate::agent::{AgentConfig, Budget};
 use super::grpo::AdvNorm;
 use crate::reward::{self, Extract, Matcher, RewardMode};
 use anyhow::{bail, ensure, Result};
@@ -40,6 +40,9 @@ pub struct TrainConfig {
     /// Queries per step; each gets `group_size` rollouts.
     pub queries_per_step: usize,
     pub group_size: usize,
+    /// The agent's budget ([`Budget`], through [`TrainConfig::budget`]): three keys of the file
+    /// rather than an embedded struct, because serde's `flatten` would cost every error in the
+    /// file its line and the list of known keys.
     pub chunk_tokens: usize,
     pub memory_tokens: usize,
     pub answer_tokens: usize,
@@ -197,12 +200,15 @@ impl TrainConfig {
         Ok(t)
     }
 
+    /// The run's chunk, memory and answer budgets.
+    pub fn budget(&self) -> Budget {
+        Budget { chunk_tokens: self.chunk_tokens, memory_tokens: self.memory_tokens, answer_tokens: self.answer_tokens }
+    }
+
     pub fn agent(&self, seed: u64) -> AgentConfig {
         let sig = self.reward.signal();
         AgentConfig {
-            chunk_tokens: self.chunk_tokens,
-            memory_tokens: self.memory_tokens,
-            answer_tokens: self.answer_tokens,
+            budget: self.budget(),
             group_size: self.group_size,
             temperature: self.temperature,
             top_p: self.top_p,

@@ -23,14 +23,10 @@
 //! Token math is done in f64 on the f32 log-probabilities.
 use crate::agent::Trajectory;
 use crate::backend::TrainBackend;
-use crate::model::lora::{LoraAdapter, ALL_PROJS};
-use crate::model::config::ModelConfig;
 use crate::runtime::backward::{policy_grads, response_logprobs, LoraGrads, Policy, TokenScores, TrainSeq};
 use crate::runtime::Model;
-use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
-use crate::backend::timed;
 
 /// The batch element: a rollout's (prompt, response) with the trajectory's advantage and,
 /// optionally, the log-probabilities under the old and the reference policies. One type with the
@@ -458,59 +454,6 @@ pub fn parse_batch(text: &str, vocab: usize) -> Result<GrpoBatch> {
     validate(&convs, vocab)?;
     ensure!(convs.iter().any(|c| !c.response.is_empty()), "no conversation has response tokens: nothing to score");
     Ok(GrpoBatch { conversations: convs, cfg })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Throughput benchmark (`bench --work train`)
-
-/// The `train` workload of `tools/bench_torch.py`: `batch` random sequences of `seq_len` tokens,
-/// GRPO token loss on the last `train_last` of each, one forward + backward (no optimizer step).
-#[derive(Clone, Copy, Debug)]
-pub struct TrainShape {
-    pub batch: usize,
-    pub seq_len: usize,
-    pub train_last: usize,
-}
-
-impl TrainShape {
-    pub const TRAIN: TrainShape = TrainShape { batch: 8, seq_len: 512, train_last: 128 };
-}
-
-/// The benchmark's adapter: LoRA r 16, α 32 on all seven projections (PEFT init: B = 0).
-pub fn bench_adapter(cfg: &ModelConfig) -> LoraAdapter {
-    LoraAdapter::init(cfg, 16, 32.0, &ALL_PROJS, 0)
-}
-
-/// One timed training step (forward + GRPO loss + backward to every LoRA tensor) on the
-/// workload of `tools/bench_torch.py --work train`: advantages +1, −1, +1, …, `logp_old = logp`
-/// detached, `logp_ref = logp − 0.01`, ε 0.2/0.28, kl_coef 0.05. The model must carry an
-/// adapter (e.g. `model.set_adapter(bench_adapter(&model.cfg))`). Returns (tokens, seconds),
-/// tokens = batch · seq_len.
-pub fn run_train_bench<B: TrainBackend>(model: &Model<B>, s: TrainShape, seed: u64) -> Result<(usize, f64)> {
-    ensure!(model.lora.is_some(), "the train benchmark needs a LoRA adapter on the model (see rl::grpo::bench_adapter)");
-    ensure!(s.train_last >= 1 && s.train_last < s.seq_len, "train_last {} must be in 1..{}", s.train_last, s.seq_len);
-    let mut rng = Rng::new(seed);
-    let seqs: Vec<Vec<u32>> = (0..s.batch).map(|_| crate::bench::random_ids(&mut rng, s.seq_len, model.cfg.vocab)).collect();
-    let cut = s.seq_len - s.train_last;
-    let tseqs: Vec<TrainSeq> = seqs.iter().map(|ids| TrainSeq { prompt: &ids[..cut], response: &ids[cut..] }).collect();
-    let c = GrpoConfig { eps_low: 0.2, eps_high: 0.28, kl_coef: 0.05, token_norm: 0 };
-    // `timed` synchronizes before reading the clock: on a GPU the layers' backward is still
-    // enqueued when policy_grads returns (its last host sync is the head-gradient download)
-    let ((stats, grads), secs) = timed(|| model.be.synchronize(), || policy_grads(model, &tseqs, |scores| {
-        let convs: Vec<Conversation> = (0..s.batch)
-            .map(|i| Conversation {
-                prompt: vec![],
-                response: vec![0; s.train_last],
-                advantage: if i % 2 == 0 { 1.0 } else { -1.0 },
-                old_logprobs: None,
-                ref_logprobs: Some(scores.logprobs[i].iter().map(|x| x - 0.01).collect()),
-            })
-            .collect();
-        grpo_loss(&convs, scores, &[], &c)
-    }))?;
-    ensure!(stats.loss.is_finite() && stats.response_tokens == s.batch * s.train_last, "train bench produced a bad loss {}", stats.loss);
-    ensure!(grads.sum_squares(&model.be)?.is_finite(), "train bench produced non-finite gradients");
-    Ok((s.batch * s.seq_len, secs))
 }
 
 #[cfg(test)]

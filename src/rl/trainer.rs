@@ -356,7 +356,7 @@ impl<B: TrainBackend> Trainer<B> {
 
         // ---- rollouts with the live policy ----
         let acfg = self.cfg.agent(self.cfg.seed ^ (s as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let kv_tokens = batch.len() * (self.cfg.group_size + 3) * (600 + 2 * self.cfg.chunk_tokens + self.cfg.memory_tokens + self.cfg.answer_tokens);
+        let kv_tokens = agent::rollout_kv_tokens(&self.cfg.budget(), self.cfg.group_size, batch.iter().map(|r| r.question.as_str()));
         let mut kv = runtime::kv_for(&self.model, kv_tokens)?;
         let (mut groups, st) = match agent::rollout(&self.model, &mut kv, &batch, &acfg, &self.templates, |_, _| {}) {
             Ok(x) => x,

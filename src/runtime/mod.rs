@@ -9,7 +9,7 @@ pub mod model;
 pub use forward::{Entry, EntryOut, NonFiniteLogits, Want};
 pub use generate::{generate, prefill, score, Finish, GenOutput, GenRequest, SchedOptions, ScoreOutput, ScoreRequest};
 pub use kv::{KvCache, Seq};
-pub use model::Model;
+pub use model::{Model, PAGE_SIZE};
 
 use crate::backend::Backend;
 use anyhow::Result;

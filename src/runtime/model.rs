@@ -29,6 +29,9 @@ pub struct DeviceLora<B: Backend> {
     pub layers: Vec<[Option<(B::Buf, B::Buf)>; 7]>,
 }
 
+/// Tokens per KV-cache page (every model; the attention kernels are built for it).
+pub const PAGE_SIZE: usize = 64;
+
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
     pub be: B,
@@ -127,7 +130,7 @@ impl<B: Backend> Model<B> {
     #[allow(clippy::too_many_arguments)]
     fn assemble(cfg: ModelConfig, embed: B::Buf, final_norm: B::Buf, lm_head: Option<B::Buf>, layers: Vec<DeviceLayer<B>>, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Self {
         let inv_freq = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
-        Model { embed, final_norm, lm_head, layers, inv_freq, tokenizer, lora: None, lora_enabled: true, page_size: 64, cfg, be, dir: dir.to_path_buf() }
+        Model { embed, final_norm, lm_head, layers, inv_freq, tokenizer, lora: None, lora_enabled: true, page_size: PAGE_SIZE, cfg, be, dir: dir.to_path_buf() }
     }
 
     pub fn from_weights(cfg: ModelConfig, w: ModelWeights, tokenizer: Option<TextTokenizer>, be: B, dir: &Path) -> Result<Self> {

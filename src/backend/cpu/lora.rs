@@ -45,15 +45,16 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
-/// `out[:, col0..col0+n_out] += scale · (x Aᵀ) Bᵀ` (`Backend::lora`), rows of `ld`.
-#[allow(clippy::too_many_arguments)]
-pub fn lora(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
+/// `out[:, col0..col0+n_out] += scale · (x Aᵀ) Bᵀ` (`Backend::lora`) for x `[m, k]` and the
+/// pair `p` (A, B, scale, r and its column slice), out's rows of `ld`.
+pub fn lora(x: &[f32], m: usize, k: usize, p: &Pair, out: &mut [f32], ld: usize) {
+    let (a, b, scale, r, n_out, col0) = (p.a, p.b, p.scale, p.r, p.n_out, p.col0);
     assert!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
     if m == 0 || r == 0 || n_out == 0 {
         return;
     }
     if m <= FEW_ROWS {
-        return lora_few(x, a, b, scale, m, k, r, n_out, out, col0, ld);
+        return lora_few(x, m, k, p, out, ld);
     }
     let (at, bt) = (transpose(&a[..r * k], r, k), transpose(&b[..n_out * r], n_out, r));
     let outp = SendPtr(out.as_mut_ptr());
@@ -84,8 +85,8 @@ const FEW_ROWS: usize = 16;
 /// transposed (a decode step's 8 rows of 576 are cheaper than A and B, every call). Each element
 /// is the same FMA chain over the same products in the same order as in `lora` (a product
 /// commutes exactly), and the scale is applied as there, so a row gets the same bits either way.
-#[allow(clippy::too_many_arguments)]
-fn lora_few(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
+fn lora_few(x: &[f32], m: usize, k: usize, p: &Pair, out: &mut [f32], ld: usize) {
+    let (a, b, scale, r, n_out, col0) = (p.a, p.b, p.scale, p.r, p.n_out, p.col0);
     let xt = transpose(&x[..m * k], m, k);
     let (mut ut, mut yt) = (vec![0f32; r * m], vec![0f32; n_out * m]);
     // Safety: the buffers hold these extents (checked by the caller).
@@ -102,13 +103,8 @@ fn lora_few(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: 
 
 /// `lora` with bf16 operands (`--dtype bf16`, `product_bf`): `u = bf(x)·bf(Aᵀ)`, then
 /// `out += scale·bf(u)·bf(Bᵀ)`, f32 sums. The fused forward's few-rows path and its reference.
-#[allow(clippy::too_many_arguments)]
-pub fn lora_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, out: &mut [f32], col0: usize, ld: usize) {
-    pair_bf16(x, &Pair::new(a, b, scale, r, col0, n_out), m, k, out, ld)
-}
-
-/// `lora_bf16` of one pair (its bf16 operands kept where it has shadows).
-fn pair_bf16(x: &[f32], p: &Pair, m: usize, k: usize, out: &mut [f32], ld: usize) {
+/// Its bf16 operands are kept where the pair has shadows.
+pub fn lora_bf16(x: &[f32], m: usize, k: usize, p: &Pair, out: &mut [f32], ld: usize) {
     let (r, n_out, col0) = (p.r, p.n_out, p.col0);
     assert!(x.len() >= m * k && p.a.len() >= r * k && p.b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
     if m == 0 || r == 0 || n_out == 0 {
@@ -133,10 +129,8 @@ fn pair_bf16(x: &[f32], p: &Pair, m: usize, k: usize, out: &mut [f32], ld: usize
 }
 
 /// `lora_bwd` with bf16 operands (`--dtype bf16`): the fused backward's reference.
-#[allow(clippy::too_many_arguments)]
-pub fn lora_bwd_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: usize, r: usize, n_out: usize, dy: &[f32], col0: usize, ld: usize, da: &mut [f32], db: &mut [f32], dx: Option<&mut [f32]>) {
-    let pair = Pair::new(a, b, scale, r, col0, n_out);
-    bwd_pairs(XRows::Plain(x), m, k, &[&pair], dy, ld, &mut [(da, db)], dx, None, true, in_parallel);
+pub fn lora_bwd_bf16(x: &[f32], m: usize, k: usize, p: &Pair, dy: &[f32], ld: usize, (da, db): (&mut [f32], &mut [f32]), dx: Option<&mut [f32]>) {
+    bwd_pairs(XRows::Plain(x), m, k, &[p], dy, ld, &mut [(da, db)], dx, None, true, in_parallel);
 }
 
 /// The LoRA pair's gradients (`TrainBackend::lora_bwd`): `dA += duᵀ x`, `dB += scale·dy_sᵀ u`
@@ -144,28 +138,10 @@ pub fn lora_bwd_bf16(x: &[f32], a: &[f32], b: &[f32], scale: f32, m: usize, k: u
 /// merged into the weight its input gradient went through). `dy_s` = columns `col0..col0+n_out`
 /// of `dy`, rows of `ld`. With `keep_du`, du (`[m, r]`) is written there as well
 /// (`matmul_dx_lora` adds `du A` to dx as a tail of the `dy W` product instead).
-#[allow(clippy::too_many_arguments)]
-pub fn lora_bwd(
-    x: &[f32],
-    a: &[f32],
-    b: &[f32],
-    scale: f32,
-    m: usize,
-    k: usize,
-    r: usize,
-    n_out: usize,
-    dy: &[f32],
-    col0: usize,
-    ld: usize,
-    da: &mut [f32],
-    db: &mut [f32],
-    dx: Option<&mut [f32]>,
-    keep_du: Option<&mut [f32]>,
-) {
+pub fn lora_bwd(x: &[f32], m: usize, k: usize, p: &Pair, dy: &[f32], ld: usize, (da, db): (&mut [f32], &mut [f32]), dx: Option<&mut [f32]>, keep_du: Option<&mut [f32]>) {
     // every size is checked (`bwd_pairs`) even when there is nothing to do
-    let pair = Pair::new(a, b, scale, r, col0, n_out);
     let keep = keep_du.map(|d| (SendPtr(d.as_mut_ptr()), d.len()));
-    bwd_pairs(XRows::Plain(x), m, k, &[&pair], dy, ld, &mut [(da, db)], dx, keep, false, in_parallel);
+    bwd_pairs(XRows::Plain(x), m, k, &[p], dy, ld, &mut [(da, db)], dx, keep, false, in_parallel);
 }
 
 /// Where each pair's r columns start when the pairs' u (du, Aᵀ) sit side by side, and the total
@@ -451,7 +427,7 @@ fn matmul_lora_with(x: &[f32], w: &PackedBf16, bias: Option<&[f32]>, m: usize, k
     if m <= FEW_ROWS || k == 0 || pairs.is_empty() {
         matmul_bf16_with(x, w, bias, m, k, n, out, kernel, true);
         for p in pairs {
-            pair_bf16(x, p, m, k, out, n);
+            lora_bf16(x, m, k, p, out, n);
         }
         return;
     }
@@ -573,8 +549,8 @@ mod tests {
         (num / den.max(1e-300)).sqrt()
     }
 
-    type Fwd = fn(&[f32], &[f32], &[f32], f32, usize, usize, usize, usize, &mut [f32], usize, usize);
-    type Bwd = fn(&[f32], &[f32], &[f32], f32, usize, usize, usize, usize, &[f32], usize, usize, &mut [f32], &mut [f32], Option<&mut [f32]>);
+    type Fwd = fn(&[f32], usize, usize, &Pair, &mut [f32], usize);
+    type Bwd = fn(&[f32], usize, usize, &Pair, &[f32], usize, (&mut [f32], &mut [f32]), Option<&mut [f32]>);
 
     /// Forward and backward against the f64 `reference` (with `q`) over shapes that cross the
     /// block and chunk edges, ranks that are not a multiple of 16 (or of 2), a k off the pairs and
@@ -587,13 +563,14 @@ mod tests {
             let (y, da, db, dx) = reference(&x, &a, &b, s as f64, m, k, r, n, &dy, col0, ld, q);
             let prior = rand(&mut rng, m * ld);
             let mut out = prior.clone();
-            fwd(&x, &a, &b, s, m, k, r, n, &mut out, col0, ld);
+            let pair = Pair::new(&a, &b, s, r, col0, n);
+            fwd(&x, m, k, &pair, &mut out, ld);
             let got: Vec<f32> = (0..m * n).map(|e| out[e / n * ld + col0 + e % n] - prior[e / n * ld + col0 + e % n]).collect();
             let untouched = (0..m * ld).filter(|e| !(col0..col0 + n).contains(&(e % ld))).all(|e| out[e] == prior[e]);
             assert!(untouched, "{name} wrote outside its column slice at {m}x{k} r{r}");
             let (pa, pb, px) = (rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * k));
             let (mut ga, mut gb, mut gx) = (pa.clone(), pb.clone(), px.clone());
-            bwd(&x, &a, &b, s, m, k, r, n, &dy, col0, ld, &mut ga, &mut gb, Some(&mut gx));
+            bwd(&x, m, k, &pair, &dy, ld, (&mut ga, &mut gb), Some(&mut gx));
             let minus = |g: &[f32], p: &[f32]| g.iter().zip(p).map(|(g, p)| g - p).collect::<Vec<f32>>();
             for (what, g, want) in [("y", got, y), ("dA", minus(&ga, &pa), da), ("dB", minus(&gb, &pb), db), ("dx", minus(&gx, &px), dx)] {
                 let e = rel(&g, &want);
@@ -606,7 +583,7 @@ mod tests {
     /// index or a dropped block is O(1).
     #[test]
     fn forward_and_backward_match_f64() {
-        check_against_f64("lora", lora, |x, a, b, s, m, k, r, n, dy, c, ld, da, db, dx| lora_bwd(x, a, b, s, m, k, r, n, dy, c, ld, da, db, dx, None), |v| v, 1e-5, 21);
+        check_against_f64("lora", lora, |x, m, k, p, dy, ld, g, dx| lora_bwd(x, m, k, p, dy, ld, g, dx, None), |v| v, 1e-5, 21);
     }
 
     /// The bf16-operand ops (`lora_bf16`, `lora_bwd_bf16`; AMX where present, else `vdpbf16ps`,
@@ -759,7 +736,7 @@ mod tests {
                         let mut want = vec![0f32; m * n];
                         matmul_bf16_with(&x, &pw, Some(&bias), m, k, n, &mut want, kernel, true);
                         for p in &pairs {
-                            lora_bf16(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &mut want, p.col0, n);
+                            lora_bf16(&x, m, k, p, &mut want, n);
                         }
                         let mut got = vec![f32::NAN; m * n];
                         matmul_lora_with(&x, &pw, Some(&bias), m, k, n, &mut got, &pairs, kernel);
@@ -769,7 +746,7 @@ mod tests {
                         matmul_dx_bf16_with(&dy, &pw, m, n, k, &mut want_dx, false, kernel, true);
                         let mut want_g = g0.clone();
                         for (p, (ga, gb)) in pairs.iter().zip(want_g.iter_mut()) {
-                            lora_bwd_bf16(&x, p.a, p.b, p.scale, m, k, p.r, p.n_out, &dy, p.col0, n, ga, gb, Some(&mut want_dx));
+                            lora_bwd_bf16(&x, m, k, p, &dy, n, (ga, gb), Some(&mut want_dx));
                         }
                         let mut got_dx = vec![f32::NAN; m * k];
                         let mut got_g = g0.clone();
@@ -798,18 +775,19 @@ mod tests {
         let (m, k, r, n) = (600, 64, 16, 96);
         let (x, a, b, dy) = (rand(&mut rng, m * k), rand(&mut rng, r * k), rand(&mut rng, n * r), rand(&mut rng, m * n));
         let mut all = vec![0f32; m * n];
-        lora(&x, &a, &b, 0.5, m, k, r, n, &mut all, 0, n);
+        let pair = Pair::new(&a, &b, 0.5, r, 0, n);
+        lora(&x, m, k, &pair, &mut all, n);
         // 1, 5 and 16 rows take `lora_few`, 17 the blocked path
         for &(i0, rows) in &[(0, 1), (7, 5), (13, 16), (250, 17), (599, 1)] {
             let mut part = vec![0f32; rows * n];
-            lora(&x[i0 * k..(i0 + rows) * k], &a, &b, 0.5, rows, k, r, n, &mut part, 0, n);
+            lora(&x[i0 * k..(i0 + rows) * k], rows, k, &pair, &mut part, n);
             assert!(part == all[i0 * n..(i0 + rows) * n], "rows {i0}..+{rows} differ when run alone");
         }
         let grads = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
                 let (mut da, mut db, mut dx) = (vec![0f32; r * k], vec![0f32; n * r], vec![0f32; m * k]);
-                lora_bwd(&x, &a, &b, 0.5, m, k, r, n, &dy, 0, n, &mut da, &mut db, Some(&mut dx), None);
+                lora_bwd(&x, m, k, &pair, &dy, n, (&mut da, &mut db), Some(&mut dx), None);
                 (da, db, dx)
             })
         };

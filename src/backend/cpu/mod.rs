@@ -203,8 +203,8 @@ impl Backend for CpuBackend {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r && col0 + n_out <= ld && out.len() >= m * ld, "lora: buffers too small");
         // under --dtype bf16 the LoRA products take bf16 operands too (docs/DESIGN.md §3)
         match self.weights {
-            Dtype::Bf16 => lora::lora_bf16(x, a, b, scale, m, k, r, n_out, out, col0, ld),
-            Dtype::F32 => lora::lora(x, a, b, scale, m, k, r, n_out, out, col0, ld),
+            Dtype::Bf16 => lora::lora_bf16(x, m, k, &lora::Pair::new(a, b, scale, r, col0, n_out), out, ld),
+            Dtype::F32 => lora::lora(x, m, k, &lora::Pair::new(a, b, scale, r, col0, n_out), out, ld),
         }
         Ok(())
     }
@@ -426,8 +426,8 @@ impl TrainBackend for CpuBackend {
         ensure!(x.len() >= m * k && a.len() >= r * k && b.len() >= n_out * r, "lora_bwd: x, A or B smaller than [{m}, {k}], [{r}, {k}], [{n_out}, {r}]");
         ensure!(dx.as_ref().is_none_or(|d| d.len() >= m * k), "lora_bwd: dx smaller than [{m}, {k}]");
         match self.weights {
-            Dtype::Bf16 => lora::lora_bwd_bf16(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice())),
-            Dtype::F32 => lora::lora_bwd(x, a, b, scale, m, k, r, n_out, dy, col0, ld, da, db, dx.map(|v| v.as_mut_slice()), None),
+            Dtype::Bf16 => lora::lora_bwd_bf16(x, m, k, &lora::Pair::new(a, b, scale, r, col0, n_out), dy, ld, (da, db), dx.map(|v| v.as_mut_slice())),
+            Dtype::F32 => lora::lora_bwd(x, m, k, &lora::Pair::new(a, b, scale, r, col0, n_out), dy, ld, (da, db), dx.map(|v| v.as_mut_slice()), None),
         }
         Ok(())
     }
