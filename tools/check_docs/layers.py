@@ -104,7 +104,10 @@ def module_files(root):
     def visit(path, modpath, is_test):
         if not os.path.exists(path):
             return
-        (test_only.add if is_test else files.__setitem__)(*((path,) if is_test else (path, modpath)))
+        if is_test:
+            test_only.add(path)
+        else:
+            files[path] = modpath
         code = strip_code(open(path, encoding="utf-8").read())
         base = os.path.dirname(path) if os.path.basename(path) in ("mod.rs", "lib.rs") \
             else os.path.splitext(path)[0]
@@ -156,12 +159,26 @@ def group_heads(code, i):
     return heads
 
 
-def edges_in(code, modpath, tops):
-    """{(from, to, line)} for the paths in `code` (a file of module `modpath`) that reach
+INLINE_MOD = re.compile(r"\bmod\s+(\w+)\s*\{")
+
+
+def inline_mods(code):
+    """[(start, end, name)] of the `mod name { … }` blocks in `code` (a `super::` inside one
+    climbs out of it first)."""
+    spans = []
+    for m in INLINE_MOD.finditer(code):
+        spans.append((m.end() - 1, skip_item(code, m.end() - 1), m.group(1)))
+    return spans
+
+
+def edges_in(code, file_modpath, tops):
+    """{(from, to, line)} for the paths in `code` (a file of module `file_modpath`) that reach
     another top-level module."""
     found = set()
+    spans = inline_mods(code)
     for m in PATH.finditer(code):
         line = code.count("\n", 0, m.start()) + 1
+        modpath = file_modpath + [name for s, e, name in spans if s < m.start() < e]
         prefix = m.group(1)
         base = [] if prefix == "crate::" else modpath[:len(modpath) - prefix.count("super")]
         if len(modpath) - prefix.count("super") < 0:
@@ -322,6 +339,9 @@ def selftest():
     run("a planted `super::super::eval` path in util/rng.rs fails",
         append("src/util/rng.rs", "\nfn _planted() { let _ = super::super::eval::Report::default; }\n"),
         "import util → eval is not in DESIGN.md §2.2: src/util/rng.rs:")
+    run("a planted `super::super::rl` inside an inline `mod` of reward fails",
+        append("src/reward/mod.rs", "\nmod planted {\n    #[allow(unused_imports)]\n    use super::super::rl::grpo;\n}\n"),
+        "import reward → rl is not in DESIGN.md §2.2: src/reward/mod.rs:")
     run("the same import under #[cfg(test)] passes",
         append("src/reward/mod.rs", "\n#[cfg(test)]\nmod planted {\n    use crate::rl::grpo;\n}\n"),
         None)
