@@ -61,7 +61,7 @@ unsafe fn kernel<const R: usize, const P: usize, const PF: bool>(t: &Tile) {
     // 6 KiB ahead into L2 (T1): on a Zen 4, 8-row decode products take as long on their
     // vdpbf16ps as on their bytes, and T0 at 4 KiB (tuned on a Zen 5) left the two barely
     // overlapped: 8 rows × 576 × 3072 from DRAM 16 → 21–22 GiB/s on one thread, 24–26 →
-    // 30–31 on two; 64 or 96 pairs ahead no better (docs/RESULTS.md, 2026-12-06, Zen 4)
+    // 30–31 on two; 64 or 96 pairs ahead no better (docs/log/results-log.md, 2026-12-06, Zen 4)
     const PF_PAIRS: usize = 48;
     let mut acc = [[[_mm512_setzero_ps(); 2]; P]; R];
     for q in 0..t.kb {
