@@ -538,19 +538,30 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let docs = check_plan(model, &a.agent, &templates, &recs, scored, 1)?;
     check_kv(model, &a.agent, &cfg, &recs)?;
     let (groups, st) = run_batches(model, &recs, &docs, &cfg, &a.agent, &templates, "eval")?;
-    let evaluated: Vec<eval::Evaluated> =
-        items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
+    let tok = model.tokenizer()?;
+    let mut evaluated: Vec<eval::Evaluated> = Vec::with_capacity(items.len());
+    for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
+        let capture = eval::capture::capture(&g[0].memories, &r.answers);
+        // the chunk the answer's fact was planted in, found by its text (padding moves it)
+        let planted_chunk = match eval::capture::planted_text(&r.meta, &r.answers).and_then(|t| r.context.find(t)) {
+            Some(byte) => Some(tok.token_index_at(&r.context, byte)? / cfg.chunk_tokens),
+            None => None,
+        };
+        evaluated.push(eval::Evaluated { task: task.clone(), length: *len, traj: &g[0], capture, planted_chunk });
+    }
     let rows = eval::summarize(&evaluated);
     // --overwrite: the earlier evaluation's files go just before the new ones are written
     super::output::clear_owned("--out", &a.out, eval_output)?;
     let mut preds = Vec::new();
-    for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
-        let t = &g[0];
+    for ((task, len), (r, ev)) in items.iter().zip(recs.iter().zip(&evaluated)) {
+        let (t, c) = (ev.traj, &ev.capture);
         writeln!(
             preds,
             "{}",
             json!({"id": r.id, "task": task, "length": len, "question": r.question, "answers": r.answers, "answer": t.answer,
                    "raw_answer": t.raw_answer, "em": t.em, "sub_em": t.sub_em, "f1": t.f1, "gain": t.gain,
+                   "chunks": c.held.len(), "captured": c.captured, "in_final": c.in_final, "first_captured_chunk": c.first_captured_chunk,
+                   "lost_at_chunk": c.lost_at_chunk, "regained": c.regained, "held": c.held, "planted_chunk": ev.planted_chunk,
                    "memory_curve": t.memory_curve, "memories": t.memories})
         )?;
     }
@@ -562,6 +573,7 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
         "generated_tokens": st.generated_tokens, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
     eval::write_report(&a.out, &rows, &title, run.clone())?;
     eprint!("{}", eval::markdown_table(&rows));
+    eprint!("{}", eval::capture_table(&rows));
     eprintln!("wrote {}/results.{{json,md}}, accuracy.png, predictions.jsonl ({:.1} s)", a.out.display(), st.total_s);
     if a.json {
         print_json(&json!({"rows": rows, "run": run}));
