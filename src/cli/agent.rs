@@ -570,7 +570,8 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let title = format!("{} {}", model.dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), if adapter.is_some() { "+ adapter" } else { "(base)" });
     let run = json!({"model": model.dir.display().to_string(), "adapter": adapter, "chunk_tokens": cfg.chunk_tokens,
         "memory_tokens": cfg.memory_tokens, "answer_tokens": cfg.answer_tokens, "questions": items.len(), "seconds": st.total_s,
-        "generated_tokens": st.generated_tokens, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
+        "generated_tokens": st.generated_tokens, "prefill_tokens": st.prefill_tokens, "score_tokens": st.score_tokens,
+        "update_s": st.update_s, "final_s": st.final_s, "score_s": st.score_s, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
     eval::write_report(&a.out, &rows, &title, run.clone())?;
     eprint!("{}", eval::markdown_table(&rows));
     eprint!("{}", eval::capture_table(&rows));
