@@ -113,6 +113,19 @@ fn eval_records_capture_and_retention_per_question_and_length() {
     let parts = ["later", "before", "never"].iter().map(|k| planted[k].as_u64().unwrap()).sum::<u64>() + planted["at_planted"]["k"].as_u64().unwrap();
     assert_eq!(parts, 4, "{planted}");
 
+    // padded (--lengths): each document among others, shuffled; the fact is found where it
+    // landed, by its text, not by the offsets recorded before padding
+    let out_pad = t.join("ev-pad");
+    a.ok("eval", &synth, &out_pad, &["--no-memory-curve", "--lengths", "900"]);
+    let padded = check_eval(&out_pad);
+    assert_eq!(padded.len(), 4);
+    for p in &padded {
+        // about 900 tokens of 40: padded, not the 300-token original (8 chunks)
+        assert_eq!(p["length"], 900, "{p}");
+        assert!(p["chunks"].as_u64().unwrap() >= 20, "{p}");
+        assert!(p["planted_chunk"].as_u64().unwrap() < p["chunks"].as_u64().unwrap(), "{p}");
+    }
+
     // data that records no planted fact: located nowhere, said so
     let plain = t.join("plain.jsonl");
     write_data(&plain, "What is the code?");
