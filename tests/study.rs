@@ -192,6 +192,41 @@ fn runs_skips_and_resumes() {
     std::fs::remove_file(out.join("study.md")).unwrap();
     let o = study(&cfg, &["--report-only"]);
     assert!(o.status.success() && out.join("study.md").exists(), "{}", stderr(&o));
+
+    // capture and retention per arm, and paired between the arms (docs/DESIGN.md §1.9)
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();
+    let cap = j["capture"].as_array().unwrap();
+    assert_eq!(cap.iter().map(|c| c["arm"].as_str().unwrap()).collect::<Vec<_>>(), ["base", "outcome", "infomem"], "{j}");
+    for c in cap {
+        assert_eq!(c["recorded"], true, "{c}");
+        let l = &c["lengths"][0];
+        assert_eq!(l["n"], 4, "{c}");
+        let (cs, fs) = (l["captured"]["share"].as_f64().unwrap(), l["in_final"]["share"].as_f64().unwrap());
+        assert!((0.0..=1.0).contains(&cs) && fs <= cs, "{c}");
+    }
+    let cp = j["capture_pairwise"].as_array().unwrap();
+    assert_eq!(cp.iter().map(|c| c["metric"].as_str().unwrap()).collect::<Vec<_>>(), ["captured", "in_final"], "{j}");
+    assert_eq!(cp[0]["pooled"]["seeds"], 1, "{j}");
+    let md = std::fs::read_to_string(out.join("study.md")).unwrap();
+    assert!(md.contains("| arm | length | n | captured | in final | kept \\| captured |") && md.contains("| outcome vs infomem | captured |"), "{md}");
+    // an evaluation from before capture was recorded: "not recorded", not an error
+    let preds = out.join("cells/infomem-s7/eval-held/predictions.jsonl");
+    let old: String = std::fs::read_to_string(&preds)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            for k in ["captured", "in_final"] {
+                v.as_object_mut().unwrap().remove(k);
+            }
+            format!("{v}\n")
+        })
+        .collect();
+    std::fs::write(&preds, old).unwrap();
+    let o = study(&cfg, &["--report-only"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let md = std::fs::read_to_string(out.join("study.md")).unwrap();
+    assert!(md.contains("| infomem | – | – | not recorded |") && md.contains("| outcome vs infomem | captured, in final | not recorded |"), "{md}");
 }
 
 #[test]

@@ -520,19 +520,30 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let docs = check_plan(model, &a.agent, &templates, &recs, scored, 1)?;
     check_kv(model, &a.agent, &cfg, &recs)?;
     let (groups, st) = run_batches(model, &recs, &docs, &cfg, &a.agent, &templates, "eval")?;
-    let evaluated: Vec<eval::Evaluated> =
-        items.iter().zip(&groups).map(|((task, len), g)| eval::Evaluated { task: task.clone(), length: *len, traj: &g[0] }).collect();
+    let tok = model.tokenizer()?;
+    let mut evaluated: Vec<eval::Evaluated> = Vec::with_capacity(items.len());
+    for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
+        let capture = eval::capture::capture(&g[0].memories, &r.answers);
+        // the chunk the answer's fact was planted in, found by its text (padding moves it)
+        let planted_chunk = match eval::capture::planted_text(&r.meta, &r.answers).and_then(|t| r.context.find(t)) {
+            Some(byte) => Some(tok.token_index_at(&r.context, byte)? / cfg.chunk_tokens),
+            None => None,
+        };
+        evaluated.push(eval::Evaluated { task: task.clone(), length: *len, traj: &g[0], capture, planted_chunk });
+    }
     let rows = eval::summarize(&evaluated);
     // --overwrite: the earlier evaluation's files go just before the new ones are written
     super::output::clear_owned("--out", &a.out, eval_output)?;
     let mut preds = Vec::new();
-    for (((task, len), r), g) in items.iter().zip(&recs).zip(&groups) {
-        let t = &g[0];
+    for ((task, len), (r, ev)) in items.iter().zip(recs.iter().zip(&evaluated)) {
+        let (t, c) = (ev.traj, &ev.capture);
         writeln!(
             preds,
             "{}",
             json!({"id": r.id, "task": task, "length": len, "question": r.question, "answers": r.answers, "answer": t.answer,
                    "raw_answer": t.raw_answer, "em": t.em, "sub_em": t.sub_em, "f1": t.f1, "gain": t.gain,
+                   "chunks": c.held.len(), "captured": c.captured, "in_final": c.in_final, "first_captured_chunk": c.first_captured_chunk,
+                   "lost_at_chunk": c.lost_at_chunk, "regained": c.regained, "held": c.held, "planted_chunk": ev.planted_chunk,
                    "memory_curve": t.memory_curve, "memories": t.memories})
         )?;
     }
@@ -541,9 +552,11 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
     let title = format!("{} {}", model.dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), if adapter.is_some() { "+ adapter" } else { "(base)" });
     let run = json!({"model": model.dir.display().to_string(), "adapter": adapter, "chunk_tokens": cfg.budget.chunk_tokens,
         "memory_tokens": cfg.budget.memory_tokens, "answer_tokens": cfg.budget.answer_tokens, "questions": items.len(), "seconds": st.total_s,
-        "generated_tokens": st.generated_tokens, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
+        "generated_tokens": st.generated_tokens, "prefill_tokens": st.prefill_tokens, "score_tokens": st.score_tokens,
+        "update_s": st.update_s, "final_s": st.final_s, "score_s": st.score_s, "data": a.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()});
     eval::write_report(&a.out, &rows, &title, run.clone())?;
     eprint!("{}", eval::markdown_table(&rows));
+    eprint!("{}", eval::capture_table(&rows));
     eprintln!("wrote {}/results.{{json,md}}, accuracy.png, predictions.jsonl ({:.1} s)", a.out.display(), st.total_s);
     if a.json {
         print_json(&json!({"rows": rows, "run": run}));

@@ -161,6 +161,13 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The index, in `encode(text)`, of the token that holds byte `byte` of `text` (the count of
+    /// tokens ending at or before it): where a span of the text lands among its tokens.
+    pub fn token_index_at(&self, text: &str, byte: usize) -> Result<usize> {
+        let enc = self.tok.encode(text, false).map_err(|e| anyhow!("tokenizer failed: {e}"))?;
+        Ok(enc.get_offsets().partition_point(|&(_, end)| end <= byte))
+    }
+
     /// Ids of `text` as `tokenizer(text)` gives them (the post-processor's special tokens added).
     pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.tok.encode(text, true).map_err(|e| anyhow!("tokenizer failed: {e}"))?;

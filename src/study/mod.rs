@@ -8,10 +8,12 @@
 //! study. The report (study.json, study.md, two PNGs) is rebuilt from the finished work every
 //! time, and pairs only answers to the same questions.
 
+mod answers;
 mod config;
 mod identity;
 mod plan;
 mod report;
+mod retention;
 mod run;
 pub mod stats;
 #[cfg(test)]

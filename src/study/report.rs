@@ -1,6 +1,9 @@
 //! The report, rebuilt from the finished work every time: per arm and evaluation set, accuracy
 //! with bootstrap intervals, paired differences against the base (exact McNemar tests on the same
-//! questions only), study.json, study.md and the two PNGs.
+//! questions only), capture and retention per arm (`retention`), study.json, study.md and the
+//! two PNGs.
+use super::answers::{ci_json, ci_md, f3, fp, num, paired, read_preds, signed, Pred};
+use super::retention::{self, Run};
 use super::stats;
 use super::config::{StudyConfig, p};
 use super::plan::{Cell, cells};
@@ -11,50 +14,6 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// One evaluated question: pairing key (id and length, so `--lengths` copies stay apart), length, em.
-pub(super) struct Pred {
-    pub(super) key: String,
-    pub(super) length: f64,
-    pub(super) em: f64,
-}
-
-pub(super) fn read_preds(dir: &Path) -> Result<Vec<Pred>> {
-    let path = dir.join("predictions.jsonl");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut v = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let r: Value = serde_json::from_str(line).with_context(|| format!("{} line {}", path.display(), i + 1))?;
-        let id = match &r["id"] {
-            Value::String(s) => s.clone(),
-            Value::Null => format!("#{i}"),
-            x => x.to_string(),
-        };
-        let length = r["length"].as_f64().unwrap_or(0.0);
-        let em = r["em"].as_f64().with_context(|| format!("{} line {}: no numeric `em`", path.display(), i + 1))?;
-        v.push(Pred { key: format!("{id}@{length}"), length, em });
-    }
-    Ok(v)
-}
-
-/// Two arms' answers of one seed paired by question, or why they cannot be: a paired test needs
-/// both to have answered the same questions (the same ids at the same lengths), each once.
-pub(super) fn paired(xa: &[Pred], xb: &[Pred]) -> std::result::Result<Vec<(f64, f64)>, String> {
-    let ma: BTreeMap<&str, f64> = xa.iter().map(|x| (x.key.as_str(), x.em)).collect();
-    let mb: BTreeMap<&str, f64> = xb.iter().map(|x| (x.key.as_str(), x.em)).collect();
-    let common = ma.keys().filter(|k| mb.contains_key(*k)).count();
-    if common == 0 {
-        return Err(format!("no paired questions: {} and {} questions, none in common", xa.len(), xb.len()));
-    }
-    if ma.len() != xa.len() || mb.len() != xb.len() {
-        return Err(format!("a question was answered more than once ({} answers for {} questions, {} for {})", xa.len(), ma.len(), xb.len(), mb.len()));
-    }
-    if common != ma.len() || common != mb.len() {
-        return Err(format!("different questions: {} and {}, {common} in common", xa.len(), xb.len()));
-    }
-    // in the first arm's order (the bootstrap of the differences draws by position)
-    Ok(xa.iter().map(|x| (x.em, mb[x.key.as_str()])).collect())
-}
-
 /// Training success rate per step of a cell (`metrics.jsonl`), non-finite values left out.
 pub(super) fn read_steps(train_dir: &Path) -> Vec<(f64, f64)> {
     let Ok(text) = std::fs::read_to_string(train_dir.join("metrics.jsonl")) else { return vec![] };
@@ -63,19 +22,6 @@ pub(super) fn read_steps(train_dir: &Path) -> Vec<(f64, f64)> {
         .filter_map(|m| Some((m["step"].as_f64()?, m["success_rate"].as_f64()?)))
         .filter(|(_, y)| y.is_finite())
         .collect()
-}
-
-pub(super) fn ci_json(ci: (f64, f64)) -> Value {
-    let f = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
-    json!([f(ci.0), f(ci.1)])
-}
-
-pub(super) fn num(x: f64) -> Value {
-    if x.is_finite() {
-        json!(x)
-    } else {
-        Value::Null
-    }
 }
 
 /// Rewrite study.json, study.md and the plots from the cells finished so far (a cell's
@@ -114,6 +60,7 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
     let mut md = String::from("# Study report\n\n");
     md.push_str(&format!("Model `{}`; seeds {:?}; accuracy = exact match (em). 95 % intervals: two-level percentile bootstrap (seeds, then questions), {} resamples.\n\n", p(&cfg.model), cfg.seeds, stats::RESAMPLES));
     let mut pairwise = Vec::new();
+    let (mut capture, mut capture_pairwise) = (Vec::new(), Vec::new());
     let mut unequal: Vec<String> = Vec::new();
     for e in &cfg.evals {
         md.push_str(&format!("## {}\n\n| arm | n questions × seeds | em | 95 % CI |\n|---|---|---|---|\n", e.name));
@@ -195,9 +142,34 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
                     "pooled": {"b": sb, "c": sc, "p": pooled, "seeds": diffs.len()}, "mean_diff": num(md_), "diff_ci95": ci_json(ci)}));
             }
         }
+        // capture and retention: the same runs, the same pairs
+        let mut runs: Vec<Run> = base.get(&e.name).map(|b| Run { name: "base", seeds: vec![&b[..]] }).into_iter().collect();
+        for a in &cfg.arms {
+            if let Some(by_seed) = preds.get(&(a.name.clone(), e.name.clone())) {
+                runs.push(Run { name: &a.name, seeds: by_seed.values().map(|v| &v[..]).collect() });
+            }
+        }
+        let (cap_md, cap_rows) = retention::table(&e.name, &runs);
+        let mut cap_pairs = String::new();
+        for (i, a) in cfg.arms.iter().enumerate() {
+            for b in &cfg.arms[i + 1..] {
+                let (Some(pa), Some(pb)) = (preds.get(&(a.name.clone(), e.name.clone())), preds.get(&(b.name.clone(), e.name.clone()))) else { continue };
+                let (m, j) = retention::paired_rows(&e.name, &a.name, &b.name, pa, pb);
+                cap_pairs.push_str(&m);
+                capture_pairwise.extend(j);
+            }
+        }
         if !rows.is_empty() {
             md.push_str("\nPaired tests (b = first arm right and second wrong, c = the reverse; exact McNemar, two-sided; pooled = discordant pairs summed over seeds; diff = em(first) − em(second)):\n\n| arms | per seed b/c, p | pooled b/c | pooled p | mean diff | 95 % CI |\n|---|---|---|---|---|---|\n");
             md.push_str(&rows);
+        }
+        if !runs.is_empty() {
+            md.push_str(&cap_md);
+            capture.extend(cap_rows);
+        }
+        if !cap_pairs.is_empty() {
+            md.push_str(retention::PAIRED_HEADER);
+            md.push_str(&cap_pairs);
         }
         md.push('\n');
     }
@@ -208,43 +180,12 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
     let out = json!({"model": p(&cfg.model), "seeds": cfg.seeds, "arms": cfg.arms.iter().map(|a| a.name.clone()).collect::<Vec<_>>(),
         "evals": cfg.evals.iter().map(|e| json!({"name": e.name, "data": p(&e.data)})).collect::<Vec<_>>(),
         "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::BOOT_SEED, "interval": "percentile 2.5/97.5, resample seeds then questions"},
-        "cells": cell_rows, "summary": summary, "pairwise": pairwise, "evals_with_different_questions": unequal});
+        "cells": cell_rows, "summary": summary, "pairwise": pairwise, "capture": capture, "capture_pairwise": capture_pairwise,
+        "evals_with_different_questions": unequal});
     std::fs::create_dir_all(&cfg.out).with_context(|| format!("cannot create {}", cfg.out.display()))?;
     crate::util::fs::write_atomic_str(&cfg.out.join("study.json"), &serde_json::to_string_pretty(&out)?)?;
     crate::util::fs::write_atomic_str(&cfg.out.join("study.md"), &md)?;
     Ok(out)
-}
-
-pub(super) fn f3(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.3}")
-    } else {
-        "–".into()
-    }
-}
-
-pub(super) fn signed(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:+.3}")
-    } else {
-        "–".into()
-    }
-}
-
-pub(super) fn fp(x: f64) -> String {
-    if x < 1e-4 {
-        format!("{x:.1e}")
-    } else {
-        format!("{x:.4}")
-    }
-}
-
-pub(super) fn ci_md(ci: (f64, f64)) -> String {
-    if ci.0.is_finite() {
-        format!("[{:.3}, {:.3}]", ci.0, ci.1)
-    } else {
-        "–".into()
-    }
 }
 
 /// The mean of the `y`s at each `x` of (x, y) points, in order of `x`: a plot series.

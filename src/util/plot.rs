@@ -151,6 +151,22 @@ fn fmt_tick(v: f64) -> String {
 
 impl Chart {
     pub fn save_png(&self, path: &Path, w: usize, h: usize) -> Result<()> {
+        save_canvas(path, &self.draw(w, h))
+    }
+
+    /// Several charts, each `w` × `h`, one above the other in one PNG (related views of one
+    /// run, read together).
+    pub fn save_stacked_png(charts: &[Chart], path: &Path, w: usize, h: usize) -> Result<()> {
+        let mut all = Canvas { w, h: 0, px: Vec::with_capacity(charts.len() * w * h * 3) };
+        for c in charts {
+            let one = c.draw(w, h);
+            all.px.extend_from_slice(&one.px);
+            all.h += h;
+        }
+        save_canvas(path, &all)
+    }
+
+    fn draw(&self, w: usize, h: usize) -> Canvas {
         let mut c = Canvas::new(w, h);
         let (w, h) = (w as i64, h as i64);
         let black = [0, 0, 0];
@@ -241,17 +257,20 @@ impl Chart {
         c.text((w - text_width(&self.title, 2)) / 2, 14, &self.title, 2, black);
         c.text(left + (pw - text_width(&self.x_label, 2)) / 2, h - 30, &self.x_label, 2, black);
         c.text_vertical(16, top + ph / 2 + text_width(&self.y_label, 2) / 2, &self.y_label, 2, black);
-
-        let mut buf = Vec::new();
-        {
-            let mut enc = png::Encoder::new(&mut buf, c.w as u32, c.h as u32);
-            enc.set_color(png::ColorType::Rgb);
-            enc.set_depth(png::BitDepth::Eight);
-            let mut wr = enc.write_header().context("png header")?;
-            wr.write_image_data(&c.px).context("png data")?;
-        }
-        crate::util::fs::write_atomic(path, &buf)
+        c
     }
+}
+
+fn save_canvas(path: &Path, c: &Canvas) -> Result<()> {
+    let mut buf = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut buf, c.w as u32, c.h as u32);
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        let mut wr = enc.write_header().context("png header")?;
+        wr.write_image_data(&c.px).context("png data")?;
+    }
+    crate::util::fs::write_atomic(path, &buf)
 }
 
 /// Column-major 5×7 glyphs (bit 0 = top row) for printable ASCII; '?' for anything else.
@@ -315,6 +334,15 @@ mod tests {
         ch.save_png(&p, 640, 400).unwrap();
         let bytes = std::fs::read(&p).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
+        // stacked: the PNG's header says 640 × 2·400, and the top panel is the single chart
+        let two = dir.path().join("two.png");
+        Chart::save_stacked_png(&[ch.clone(), Chart { title: "other".into(), ..ch.clone() }], &two, 640, 400).unwrap();
+        let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&two).unwrap()));
+        let mut rd = dec.read_info().unwrap();
+        assert_eq!((rd.info().width, rd.info().height), (640, 800));
+        let mut px = vec![0; rd.output_buffer_size().unwrap()];
+        rd.next_frame(&mut px).unwrap();
+        assert_eq!(&px[..640 * 400 * 3], &ch.draw(640, 400).px[..]);
         let t = nice_ticks(0.0, 1.0, 5);
         assert_eq!(t.len(), 6);
         assert!(t.iter().zip([0.0, 0.2, 0.4, 0.6, 0.8, 1.0]).all(|(a, b)| (a - b).abs() < 1e-9));
