@@ -526,7 +526,7 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
         let capture = eval::capture::capture(&g[0].memories, &r.answers);
         // the chunk the answer's fact was planted in, found by its text (padding moves it)
         let planted_chunk = match eval::capture::planted_text(&r.meta, &r.answers).and_then(|t| r.context.find(t)) {
-            Some(byte) => Some(tok.token_index_at(&r.context, byte)? / cfg.chunk_tokens),
+            Some(byte) => Some(tok.token_index_at(&r.context, byte)? / cfg.budget.chunk_tokens),
             None => None,
         };
         evaluated.push(eval::Evaluated { task: task.clone(), length: *len, traj: &g[0], capture, planted_chunk });
