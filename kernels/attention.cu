@@ -36,10 +36,10 @@
 // hd ∈ {16, 32, 64, 128} are instantiated (mma's k = 16 divides them).
 //
 // CPU twin: backend::cpu::attention::attention. Without a GPU, tests/cuda_parity/attention.rs
-// runs this kernel's PTX on the emulated device (src/backend/cuda/ptx/: mma.sync fragments,
-// cp.async groups with in-flight hazards, shared-memory races, bounds) against the twin.
-//
-//
+// runs this kernel's PTX on the emulated device (src/backend/cuda/ptx/) against the twin: mma.sync
+// by the ISA's fragment tables, cp.async landing only at the issuer's wait_group (a shared access
+// to bytes still in flight is an error naming both PTX lines), shared-memory races between warps,
+// bounds. A stage-order or fragment mistake here fails that test without a device.
 #include "mma.cuh"  // cp.async and mma.sync helpers (shared with the dense attention kernels)
 
 // The KV cache store: one block per token row; thread t owns elements t, t + blockDim, ... of the
