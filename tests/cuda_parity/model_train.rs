@@ -7,7 +7,7 @@ fn pair_lora(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter) -> (Model<
     pair_on(cfg, w, adapter, CudaBackend::new(0).unwrap())
 }
 
-fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter, dev: D) -> (Model<CpuBackend>, Model<D>) {
+pub(super) fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter, dev: D) -> (Model<CpuBackend>, Model<D>) {
     let (mut wr, mut ar) = (w, adapter);
     round_weights(&mut wr);
     round_adapter(&mut ar);
@@ -36,12 +36,12 @@ fn logp_tol(reference: f32) -> f32 {
 /// LoRA GEMMs, summation order). A wrong index or transpose gives errors of order 1 and a
 /// cosine far from 1.
 #[derive(Clone, Copy)]
-struct GradBound {
+pub(super) struct GradBound {
     max_rel: f64,
     min_cos: f64,
 }
 
-const TINY_BOUND: GradBound = GradBound { max_rel: 0.15, min_cos: 0.99 };
+pub(super) const TINY_BOUND: GradBound = GradBound { max_rel: 0.15, min_cos: 0.99 };
 
 const HALF_B_BOUND: GradBound = GradBound { max_rel: 5e-2, min_cos: 0.998 };
 
@@ -69,7 +69,7 @@ fn compare_tensors(what: &str, tc: &BTreeMap<String, HostTensor>, td: &BTreeMap<
 /// instead would be ill-conditioned wherever a token's ratio sits at a clip edge — a bf16-level
 /// change of log p flips the clip and the token's whole contribution (the fixture batches are
 /// built to exercise clipping). The response log-probs are compared with `logp_tol`.
-fn compare_grads<D: TrainBackend>(what: &str, c: &Model<CpuBackend>, d: &Model<D>, convs: &[Conversation], cfg: &GrpoConfig, bound: GradBound) -> f64 {
+pub(super) fn compare_grads<D: TrainBackend>(what: &str, c: &Model<CpuBackend>, d: &Model<D>, convs: &[Conversation], cfg: &GrpoConfig, bound: GradBound) -> f64 {
     let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();
     let refs = grpo::reference_logprobs(c, convs, cfg).unwrap();
     let mut dlogp: Vec<Vec<f32>> = Vec::new();
