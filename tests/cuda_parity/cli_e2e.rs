@@ -316,18 +316,25 @@ fn train_writes_an_adapter_peft_loads() {
     let args = strs(&[
         "train", "--model", s(&dir), "--data", s(&data), "--templates", s(&templates), "--out", s(&out), "--backend", "cuda", "--steps", "2",
         "--queries-per-step", "1", "--group-size", "2", "--temperature", "4", "--chunk-tokens", "40", "--memory-tokens", "8", "--answer-tokens", "4",
+        // the gain on every rollout: a tiny random model never answers right, so the success-only
+        // InfoMem reward would tie every group and leave nothing to learn
+        "--reward", "infomem-all",
         // rank 8: cuBLASLt's bf16 tensor-core kernels need leading dimensions of 8 (gemm::ld_hint)
         "--lora-r", "8",
     ]);
     ok(&args, &env);
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2, "{metrics}");
+    for l in metrics.lines() {
+        let v: Value = serde_json::from_str(l).unwrap();
+        assert!(v["skipped"].is_null() && v["grad_norm"].as_f64().is_some_and(|g| g.is_finite() && g > 0.0), "a step did not train: {l}");
+    }
     let adapter = out.join("adapter");
     let cfg = ModelConfig::load(&dir).unwrap();
     let ad = LoraAdapter::load(&adapter, &cfg).unwrap();
     assert_eq!(ad.r, 8);
     // two AdamW steps moved B off its zero init
-    assert!(ad.layers.iter().flatten().flatten().any(|p| p.b.data.iter().any(|&x| x != 0.0)), "the adapter's B is still zero after 2 steps");
+    assert!(ad.layers.iter().flatten().flatten().any(|p| p.b.data.iter().any(|&x| x != 0.0)), "the adapter's B is still zero after 2 steps; metrics:\n{metrics}");
     let (ctx, tgt) = ("5,6,7,8,9,10,11,12", "13,14,15,16");
     let base = strs(&["score", "--model", s(&dir), "--adapter", s(&adapter), "--context-ids", ctx, "--target-ids", tgt, "--json"]);
     let dev = floats32(&json_line(&ok(&[base.clone(), strs(&["--backend", "cuda"])].concat(), &env))["logprobs"]);
