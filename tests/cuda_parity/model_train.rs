@@ -7,7 +7,7 @@ fn pair_lora(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter) -> (Model<
     pair_on(cfg, w, adapter, own_backend())
 }
 
-pub(super) fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter, dev: D) -> (Model<CpuBackend>, Model<D>) {
+fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter, dev: D) -> (Model<CpuBackend>, Model<D>) {
     let (mut wr, mut ar) = (w, adapter);
     round_weights(&mut wr);
     round_adapter(&mut ar);
@@ -46,7 +46,7 @@ pub(super) const TINY_BOUND: GradBound = GradBound { max_rel: 0.15, min_cos: 0.9
 const HALF_B_BOUND: GradBound = GradBound { max_rel: 5e-2, min_cos: 0.998 };
 
 /// Returns the worst relative error over the tensors.
-fn compare_tensors(what: &str, tc: &BTreeMap<String, HostTensor>, td: &BTreeMap<String, HostTensor>, bound: GradBound) -> f64 {
+pub(super) fn compare_tensors(what: &str, tc: &BTreeMap<String, HostTensor>, td: &BTreeMap<String, HostTensor>, bound: GradBound) -> f64 {
     assert_eq!(tc.len(), td.len());
     let mut worst = (0f64, String::new(), 1f64);
     for (k, t) in tc {
@@ -69,7 +69,7 @@ fn compare_tensors(what: &str, tc: &BTreeMap<String, HostTensor>, td: &BTreeMap<
 /// instead would be ill-conditioned wherever a token's ratio sits at a clip edge — a bf16-level
 /// change of log p flips the clip and the token's whole contribution (the fixture batches are
 /// built to exercise clipping). The response log-probs are compared with `logp_tol`.
-pub(super) fn compare_grads<D: TrainBackend>(what: &str, c: &Model<CpuBackend>, d: &Model<D>, convs: &[Conversation], cfg: &GrpoConfig, bound: GradBound) -> f64 {
+fn compare_grads<D: TrainBackend>(what: &str, c: &Model<CpuBackend>, d: &Model<D>, convs: &[Conversation], cfg: &GrpoConfig, bound: GradBound) -> f64 {
     let seqs: Vec<TrainSeq> = convs.iter().map(|c| TrainSeq { prompt: &c.prompt, response: &c.response }).collect();
     let refs = grpo::reference_logprobs(c, convs, cfg).unwrap();
     let mut dlogp: Vec<Vec<f32>> = Vec::new();
