@@ -6,8 +6,8 @@
 // of its GQA group: packed row r ↦ (query i = r / G, head g = r % G), G = n_heads / n_kv_heads,
 // so every K/V tile loaded from the cache serves all G query heads that read it. A work item
 // (one block) is (sequence, kv head, tile of BM = 64 packed rows, key split). The host builds the
-// item list (src/backend/cuda/attention.rs; src/backend/cuda/emulate/attention.rs runs this kernel
-// lane by lane on the CPU);
+// item list (src/backend/cuda/attention.rs; without a GPU this kernel's PTX runs on the emulated
+// device, tests/cuda_parity/attention.rs);
 // sequences with one query row (decode) and a long context are split into `split_len`-key ranges
 // whose partial (unnormalized O, running max m, sum l) go to a workspace and are merged by
 // attn_combine; every other item writes its normalized output directly.
@@ -35,11 +35,11 @@
 // read by one B-fragment load in different banks and keeps 16-byte cp.async alignment.
 // hd ∈ {16, 32, 64, 128} are instantiated (mma's k = 16 divides them).
 //
-// CPU twin: backend::cpu::attention::attention. CPU emulation (tests, no GPU needed):
-// src/backend/cuda/emulate/attention.rs executes this kernel's fragments, shared-memory offsets,
-// cp.async commit/wait and barrier order (hazards panic) and attn_combine, and compares the
-// result with the twin; its primitives (mma ownership, shuffles, async shared memory) are in
-// src/backend/cuda/emulate/mod.rs. Keep the emulator in step with any change here.
+// CPU twin: backend::cpu::attention::attention. Without a GPU, tests/cuda_parity/attention.rs
+// runs this kernel's PTX on the emulated device (src/backend/cuda/ptx/: mma.sync fragments,
+// cp.async groups with in-flight hazards, shared-memory races, bounds) against the twin.
+//
+//
 #include "mma.cuh"  // cp.async and mma.sync helpers (shared with the dense attention kernels)
 
 // The KV cache store: one block per token row; thread t owns elements t, t + blockDim, ... of the

@@ -23,7 +23,7 @@
 //
 // Shared memory (static): 2 stages × (K + V) × BK × (hd + 8) bf16 (+8: conflict-free fragment
 // loads, 16-byte aligned rows) = 12 KiB (hd 16) … 36 KiB (hd 64), 34 KiB (hd 128).
-// CPU twin: backend::cpu::attention_dense::attn_dense. Emulated lane by lane in src/backend/cuda/emulate/attention_dense.rs.
+// CPU twin: backend::cpu::attention_dense::attn_dense. Parity (GPU or emulated device): tests/cuda_parity/attention_dense.rs.
 #include "mma.cuh"
 
 #define DENSE_BM 64
@@ -194,7 +194,7 @@ DENSE_FWD(128)
 //   sk [64][hd+8] bf16 | sv [64][hd+8] | sq [2][BQ][hd+8] | sdo [2][BQ][hd+8] |
 //   slse [2][BQ] f32 (lse·log2 e) | sD [2][BQ] f32 | sqi [2][BQ] int (query of the row, −1: none)
 //   = 19.5 KiB (hd 16), 31.5 KiB (32), 55.5 KiB (64), 68.8 KiB (128).
-// CPU twin: backend::cpu::attention_dense::attn_dense_bwd. Emulated lane by lane in src/backend/cuda/emulate/attention_dense.rs.
+// CPU twin: backend::cpu::attention_dense::attn_dense_bwd. Parity (GPU or emulated device): tests/cuda_parity/attention_dense.rs.
 #define DENSE_BN 64  // keys per dk/dv work item
 
 // D[row, h] = Σ_d dO·O over the head's hd columns, and dO as bf16 for the tensor cores.

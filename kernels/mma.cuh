@@ -19,8 +19,8 @@
 //   - the C fragments of n-tiles 2j and 2j+1 are, element for element, the A fragment of k-step
 //     j of the same 16 rows: a0 = (c0,c1) of 2j, a1 = (c2,c3) of 2j, a2 = (c0,c1) of 2j+1,
 //     a3 = (c2,c3) of 2j+1 — so a product's result feeds the next product without shuffles.
-// src/backend/cuda/emulate/mod.rs emulates these layouts lane by lane on the CPU (tests; used by
-// the kernel emulators in src/backend/cuda/emulate/attention.rs and attention_dense.rs).
+// The PTX interpreter takes these layouts from the ISA's tables (src/backend/cuda/ptx/mma.rs);
+// src/backend/cuda/emulate.rs assembles them from this description, and a test compares the two.
 #pragma once
 #include "common.cuh"
 
@@ -72,7 +72,7 @@ __device__ __forceinline__ void b_from_rows(const bf16* y, uint32_t& b0, uint32_
 // One key tile of flash attention for a warp's 16 packed query rows, as the paged (attention.cu)
 // and the dense forward (attention_dense.cu) kernels run it. A thread holds rows gid ("a") and
 // gid + 8 ("b") of the warp's 16 and, per 8-key n-tile, keys 2tq and 2tq + 1 (the C layout above).
-// Emulated line by line by src/backend/cuda/emulate/mod.rs::online_softmax_tile.
+// Runs on the emulated device (its PTX) in tests/cuda_parity/attention.rs and attention_dense.rs.
 
 // S = Q·Kᵀ: s[nt] from the Q A-fragments in registers and K rows [key][d] in shared memory (row
 // pitch HDP), one 32-bit load per B register.

@@ -74,6 +74,63 @@ fn paged_attention_mixed_batch() {
     }
 }
 
+/// Split-K over long decode rows (the case of the retired lane-level emulation): page size 32,
+/// page tables that are runs of a permutation, contexts of 2049, 1000 and 1337 keys (a 132-SM
+/// device splits each into 8–11 ranges of 192 or 256 keys; 2049's last one holds a single key),
+/// GQA 8, 7 and 1. A tighter bound than the mixed batch, per element: |Δ| ≤ (|want| + a)·2^-8 +
+/// a·2^-13 with a = Σp|v|/l from a second twin over |V|: P rounded to bf16 before P·V errs by
+/// ≤ 2^-8 per p (≤ 2^-8·a), the bf16 output by ≤ 2^-8·|out|, and the f32 differences (exp2 vs
+/// exp, summation orders, the tensor-core model of src/backend/cuda/ptx/mma.rs) stay far below
+/// 2^-13·a.
+#[test]
+fn paged_attention_split_k() {
+    let be = cuda_or_skip!();
+    let cpu = CpuBackend::new();
+    for (nh, nkv, hd) in attention_shapes(&[(16, 2, 128), (14, 2, 64), (4, 4, 64)]) {
+        let t0 = std::time::Instant::now();
+        let g = AttnGeom { n_layers: 2, n_heads: nh, n_kv_heads: nkv, head_dim: hd, page_size: 32 };
+        let layer = 1;
+        let mut rng = Rng::new(200 + hd as u64 + nh as u64);
+        let max_pages = 157;
+        let mut dkv = be.kv_new(g, max_pages).unwrap();
+        let (mut ckv, mut ckv_abs) = (cpu.kv_new(g, max_pages).unwrap(), cpu.kv_new(g, max_pages).unwrap());
+        let perm: Vec<u32> = (0..157).map(|k| (7 * k % 157) as u32).collect();
+        let long = [2049usize, 1000, 1337];
+        let mut next = 0;
+        let tables: Vec<Vec<u32>> = long
+            .iter()
+            .map(|&n| {
+                let t = perm[next..next + n.div_ceil(32)].to_vec();
+                next += t.len();
+                t
+            })
+            .collect();
+        let (width, v0) = (g.qkv_dim(), g.q_dim() + g.kv_dim());
+        for (t, &n) in tables.iter().zip(&long) {
+            let qkv = randn_bf(&mut rng, n * width, 1.0);
+            let abs: Vec<f32> = qkv.iter().enumerate().map(|(i, &x)| if i % width >= v0 { x.abs() } else { x }).collect();
+            let slots: Vec<u32> = (0..n).map(|p| t[p / 32] * 32 + (p % 32) as u32).collect();
+            be.kv_store(&mut dkv, layer, &be.upload(&CpuBuf::from(qkv.clone())).unwrap(), &slots, g).unwrap();
+            cpu.kv_store(&mut ckv, layer, &CpuBuf::from(qkv), &slots, g).unwrap();
+            cpu.kv_store(&mut ckv_abs, layer, &CpuBuf::from(abs), &slots, g).unwrap();
+        }
+        let seqs: Vec<AttnSeq> = tables.iter().zip(&long).enumerate().map(|(j, (t, &n))| AttnSeq { q_row: j, n_q: 1, ctx_len: n, pages: t, sampled: false }).collect();
+        let q_dim = g.q_dim();
+        let qkv = CpuBuf::from(randn_bf(&mut rng, 3 * width, 2.0));
+        let (mut want, mut want_abs) = (CpuBuf::from(vec![0f32; 3 * q_dim]), CpuBuf::from(vec![0f32; 3 * q_dim]));
+        cpu.attention(&ckv, layer, &qkv, &seqs, g, &mut want).unwrap();
+        cpu.attention(&ckv_abs, layer, &qkv, &seqs, g, &mut want_abs).unwrap();
+        let mut dout = be.zeros(3 * q_dim).unwrap();
+        be.attention(&dkv, layer, &be.upload(&qkv).unwrap(), &seqs, g, &mut dout).unwrap();
+        let got = be.download(&dout).unwrap();
+        for (i, ((&a, &w), &wa)) in got.iter().zip(want.iter()).zip(want_abs.iter()).enumerate() {
+            let tol = (w.abs() + wa) / 256.0 + wa / 8192.0;
+            assert!((a - w).abs() <= tol, "split-K nh {nh} nkv {nkv} hd {hd}: row {} col {}: {a} vs {w} (bound {tol})", i / q_dim, i % q_dim);
+        }
+        println!("split-K attention nh {nh} nkv {nkv} hd {hd}: {:.1} s", t0.elapsed().as_secs_f64());
+    }
+}
+
 /// kv_store alone (no tensor cores, so it runs on the emulated device too): every k and v value
 /// lands at its slot of the pool layout `[page][layer][k|v][kv_head][page_size][head_dim]`, as
 /// bf16; the call's geometry must be the cache's, and a slot may not appear twice in one call.

@@ -4,9 +4,10 @@
 //! binary (`cli_e2e`: score, generate, rollout, eval and train with `--backend cuda`, on the
 //! emulated device through INFOMEM_CUDA_EMULATE=1 when there is no GPU).
 //! Compiled only with `--features cuda`. Without a device the tests run on the emulated device
-//! (the kernels' real PTX in the interpreter, src/backend/cuda/emulated.rs); those whose kernels
-//! use tensor cores print "skipped on the emulated device: …" until issue 54
-//! (INFOMEM_REQUIRE_CUDA=1, set by tools/gpu-check.sh, demands the real device).
+//! (the kernels' real PTX in the interpreter, src/backend/cuda/emulated.rs, tensor cores and
+//! cp.async included; the attention tests on smaller batches there); the Qwen-shaped whole-model
+//! tests print "skipped on the emulated device: …" (too slow there), as does the test of opening
+//! device 0 (INFOMEM_REQUIRE_CUDA=1, set by tools/gpu-check.sh, demands the real device).
 //!
 //! Method: inputs are rounded to bf16 before both backends see them, so the CPU twin (f32) and
 //! the device compute on identical values and the bounds only have to cover what the device does

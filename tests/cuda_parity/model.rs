@@ -138,7 +138,7 @@ fn tiny_models_generate_and_score() {
 /// batched greedy decoding of rows of different lengths in one step.
 #[test]
 fn qwen2_half_b_layer_batched() {
-    let _ = cuda_or_skip!();
+    let _ = gpu_or_skip!("too slow there: it did not finish in 7 min on the shared 2-core machine (vocabulary 151936, hidden 896)");
     let cfg = ModelConfig::from_json(&serde_json::json!({
         "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 1,
         "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,

@@ -3,8 +3,8 @@
 //! and decode rows in one launch of kernels/attention.cu, split-K for long decode rows merged by
 //! `attn_combine`). The host builds the per-call tables here (`plan`: sequences, concatenated page
 //! tables, work items heaviest first, split-K workspace rows). CPU twin:
-//! src/backend/cpu/attention.rs. Lane-level emulation (no GPU): src/backend/cuda/emulate/attention.rs.
-//! Parity test: tests/cuda_parity/attention.rs.
+//! src/backend/cpu/attention.rs. Parity test (on a GPU or the emulated device):
+//! tests/cuda_parity/attention.rs.
 use super::alloc::DevMem;
 use super::{CudaBackend, CudaBuf, Dtype};
 use crate::backend::{AttnGeom, AttnSeq};
@@ -305,4 +305,72 @@ pub fn plan(seqs: &[AttnSeq], g: &AttnGeom, max_pages: usize, rows_in_batch: usi
     items.sort_by_key(|x| std::cmp::Reverse(x.0));
     p.items = items.into_iter().map(|x| x.1).collect();
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(n_heads: usize, n_kv: usize, hd: usize) -> AttnGeom {
+        AttnGeom { n_layers: 2, n_heads, n_kv_heads: n_kv, head_dim: hd, page_size: 16 }
+    }
+
+    /// Every (sequence, kv head, packed row) sees each key 0..=pos in exactly one item, and the
+    /// workspace slots of split rows are distinct and in range.
+    #[test]
+    fn items_cover_each_visible_key_once() {
+        let g = geom(14, 2, 64);
+        let group = 7;
+        let pages: Vec<u32> = (0..400).collect();
+        let shapes = [(1usize, 1usize), (1, 700), (1, 5000), (5, 9), (37, 37), (100, 1300), (1, 129), (3, 2000)];
+        let mut rows = 0;
+        let seqs: Vec<AttnSeq> = shapes
+            .iter()
+            .map(|&(n_q, ctx)| {
+                let s = AttnSeq { q_row: rows, n_q, ctx_len: ctx, pages: &pages, sampled: false };
+                rows += n_q;
+                s
+            })
+            .collect();
+        for n_sm in [1, 132] {
+            let p = plan(&seqs, &g, 400, rows, n_sm).unwrap();
+            let mut seen = std::collections::HashMap::new();
+            let mut slots = std::collections::HashSet::new();
+            for it in &p.items {
+                let s = p.seqs[it.seq as usize];
+                let n_rows = s.n_q as usize * group;
+                let kend = tile_kend(&s, group, it.tile as usize);
+                let k0 = it.split as usize * s.split_len as usize;
+                let k1 = kend.min(k0 + s.split_len as usize);
+                for r in it.tile as usize * BM..((it.tile as usize + 1) * BM).min(n_rows) {
+                    let pos = (s.ctx_len - s.n_q) as usize + r / group;
+                    for key in k0..k1.min(pos + 1) {
+                        *seen.entry((it.seq, it.kvh, r, key)).or_insert(0) += 1;
+                    }
+                    if s.n_splits > 1 {
+                        let slot = s.part_base as usize + (it.kvh as usize * n_rows + r) * s.n_splits as usize + it.split as usize;
+                        assert!(slot < p.part_slots && slots.insert(slot));
+                    }
+                }
+            }
+            let mut want = 0;
+            for (si, s) in p.seqs.iter().enumerate() {
+                for kvh in 0..2 {
+                    for r in 0..s.n_q as usize * group {
+                        let pos = (s.ctx_len - s.n_q) as usize + r / group;
+                        for key in 0..=pos {
+                            assert_eq!(seen.get(&(si as i32, kvh, r, key)), Some(&1), "seq {si} kvh {kvh} row {r} key {key}");
+                            want += 1;
+                        }
+                    }
+                }
+            }
+            assert_eq!(seen.len(), want);
+            assert_eq!(slots.len(), p.part_slots);
+            if n_sm == 132 {
+                assert!(p.seqs.iter().any(|s| s.n_splits > 1), "long decode rows are split");
+                assert!(p.seqs.iter().all(|s| s.n_splits == 1 || s.n_q == 1));
+            }
+        }
+    }
 }

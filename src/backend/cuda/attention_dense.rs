@@ -2,8 +2,8 @@
 //! per-row log-sum-exp) and `attn_dense_bwd` (`attn_bwd_prep`, then one dQ kernel and one dK/dV
 //! kernel, each the sole writer of its output), all in kernels/attention_dense.cu; the per-call
 //! tables (`plan`) and the dK/dV kernel's dynamic shared-memory layout. CPU twin:
-//! src/backend/cpu/attention_dense.rs. Lane-level emulation (no GPU):
-//! src/backend/cuda/emulate/attention_dense.rs. Parity test: tests/cuda_parity/attention_dense.rs.
+//! src/backend/cpu/attention_dense.rs. Parity test (on a GPU or the emulated device):
+//! tests/cuda_parity/attention_dense.rs.
 use super::{grid_for, CudaBackend, CudaBuf, Dtype, HEAD_DIMS};
 use crate::backend::{AttnGeom, DenseSeq};
 use anyhow::{bail, ensure, Result};
@@ -246,4 +246,93 @@ pub fn plan(seqs: &[DenseSeq], g: &AttnGeom, rows_in_batch: usize) -> Result<Den
     p.q_items = q_items.into_iter().map(|x| x.1).collect();
     p.k_items = k_items.into_iter().map(|x| x.1).collect();
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(n_heads: usize, n_kv: usize, hd: usize) -> AttnGeom {
+        AttnGeom { n_layers: 1, n_heads, n_kv_heads: n_kv, head_dim: hd, page_size: 16 }
+    }
+
+    fn batch(lens: &[usize]) -> (Vec<DenseSeq>, usize) {
+        let mut row = 0;
+        let seqs = lens
+            .iter()
+            .map(|&len| {
+                let s = DenseSeq { row0: row, len };
+                row += len;
+                s
+            })
+            .collect();
+        (seqs, row)
+    }
+
+    /// Every (sequence, kv head, packed row) is in exactly one forward/dQ item, every (sequence,
+    /// kv head, key) in exactly one dK/dV item, and the packed rows a dK/dV item walks
+    /// (k0·G .. len·G) are exactly the rows that see any of its keys.
+    #[test]
+    fn items_cover_rows_and_keys_once() {
+        let g = geom(14, 2, 64);
+        let group = 7;
+        let (seqs, rows) = batch(&[1, 9, 64, 65, 130, 700, 0, 3]);
+        let p = plan(&seqs, &g, rows).unwrap();
+        assert_eq!(p.rows, rows);
+        assert_eq!(p.seqs.len(), 7, "empty sequences are dropped");
+        let mut seen_rows = std::collections::HashMap::new();
+        for it in &p.q_items {
+            let s = p.seqs[it.seq as usize];
+            let n_rows = s.len as usize * group;
+            let r0 = it.tile as usize * BM;
+            assert!(r0 < n_rows);
+            let kend = tile_kend(&s, group, it.tile as usize);
+            for r in r0..(r0 + BM).min(n_rows) {
+                assert!(r / group < kend, "a row's own key is inside the tile's key range");
+                *seen_rows.entry((it.seq, it.kvh, r)).or_insert(0) += 1;
+            }
+        }
+        let mut seen_keys = std::collections::HashMap::new();
+        for it in &p.k_items {
+            let s = p.seqs[it.seq as usize];
+            let k0 = it.tile as usize * BN;
+            assert!(k0 < s.len as usize);
+            for key in k0..(k0 + BN).min(s.len as usize) {
+                *seen_keys.entry((it.seq, it.kvh, key)).or_insert(0) += 1;
+                // rows r with r / G >= key are exactly r >= key·G >= k0·G
+                assert!(key * group >= k0 * group);
+            }
+        }
+        for (si, s) in p.seqs.iter().enumerate() {
+            for kvh in 0..2 {
+                for r in 0..s.len as usize * group {
+                    assert_eq!(seen_rows.get(&(si as i32, kvh, r)), Some(&1), "seq {si} kvh {kvh} row {r}");
+                }
+                for key in 0..s.len as usize {
+                    assert_eq!(seen_keys.get(&(si as i32, kvh, key)), Some(&1), "seq {si} kvh {kvh} key {key}");
+                }
+            }
+        }
+        assert_eq!(seen_rows.len(), p.seqs.iter().map(|s| s.len as usize * group * 2).sum::<usize>());
+        assert_eq!(seen_keys.len(), p.seqs.iter().map(|s| s.len as usize * 2).sum::<usize>());
+        assert!(plan(&seqs, &g, rows - 1).is_err(), "rows beyond the batch are refused");
+        assert!(plan(&seqs, &geom(14, 3, 64), rows).is_err(), "heads not a multiple of kv heads");
+    }
+
+    /// The dK/dV kernel's dynamic shared memory: regions disjoint, 16-byte aligned where cp.async
+    /// writes, within what an H100/H200 block may have, and the sizes the kernel comment states.
+    #[test]
+    fn dkdv_shared_memory_layout() {
+        for (hd, want) in [(16usize, 19968usize), (32, 32256), (64, 56832), (128, 70400)] {
+            let l = dkdv_smem_layout(hd);
+            let regions = [l.sk, l.sv, l.sq, l.sdo, l.slse, l.sd, l.sqi, l.bytes];
+            assert!(regions.windows(2).all(|w| w[0] < w[1]), "hd {hd}: {l:?}");
+            assert!([l.sk, l.sv, l.sq, l.sdo].iter().all(|o| o % 16 == 0), "cp.async destinations 16-byte aligned");
+            let hdp = hd + 8;
+            assert_eq!(l.sv - l.sk, BN * hdp * 2);
+            assert_eq!(l.sdo - l.sq, 2 * bq(hd) * hdp * 2);
+            assert_eq!(l.bytes, want, "hd {hd}");
+            assert!(l.bytes <= 227 * 1024);
+        }
+    }
 }

@@ -52,8 +52,8 @@
 //! family mirroring `kernels/<family>.cu` and `src/backend/cpu/<family>.rs` (the table in
 //! `backend/mod.rs`): it launches the family's kernels, forward and backward, and holds the
 //! family's host-side tables. `gemm.rs` wraps cuBLASLt and launches the projections. This file
-//! routes the two traits' methods to them. `emulate/` (tests only) runs the attention kernels and
-//! the sampler lane by lane on the CPU.
+//! routes the two traits' methods to them. `emulate.rs` (tests only) is a lane-level mma oracle
+//! for the interpreter.
 #![allow(clippy::too_many_arguments)] // the family functions mirror the backend traits' signatures
 
 /// Launch a kernel of `$be` by name through the device seam. Arguments must be locals whose

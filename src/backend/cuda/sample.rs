@@ -1,5 +1,5 @@
 //! Sampling on the device: greedy / temperature / top-p on the device, token for token equal to the
-//! CPU sampler (emulated in `emulate/sample.rs`). Kernels: kernels/sample.cu. CPU twin:
+//! CPU sampler. Kernels: kernels/sample.cu. CPU twin:
 //! src/backend/cpu/sample.rs. Parity test: tests/cuda_parity/sample.rs.
 use super::{CudaBackend, CudaBuf};
 use crate::backend::{SampleParams, Sampled};

@@ -2,7 +2,7 @@
 //! bf16, B 16×8 bf16, C and D 16×8 f32, each matrix spread over the 32 lanes' registers.
 //!
 //! **Fragments**, written from the PTX ISA's tables ("Matrix Fragments for mma.m16n8k16 with
-//! floating point type"), not from `kernels/mma.cuh` or `emulate/`, so that each checks the
+//! floating point type"), not from `kernels/mma.cuh` or `emulate.rs`, so that each checks the
 //! other. groupID = laneid >> 2, threadID_in_group = laneid % 4; a register holds two bf16,
 //! the lower-indexed element in the low 16 bits:
 //! - A: a0..a7 in 4 registers (a_i in register i / 2); row = groupID for a_i with i < 2 or

@@ -307,3 +307,32 @@ fn a_landed_copy_still_needs_the_barrier() {
     let e = run_cpa(&[("BAR", "")]).unwrap_err().to_string();
     assert!(e.contains("shared-memory race") && e.contains("kernel cpa") && e.contains("this cp.async (warp 1)"), "{e}");
 }
+
+/// `cvt.rn.bf16x2.f32 d, a, b` (the attention kernels' P packing): a rounded to nearest even in
+/// the upper half, b in the lower (PTX ISA); `trap` is an error naming its line.
+#[test]
+fn cvt_bf16x2_packs_a_high_and_trap_aborts() {
+    let body = r#"
+.visible .entry cvp(.param .u64 cvp_param_0)
+{
+    .reg .b32 %r<4>;
+    .reg .f32 %f<4>;
+    .reg .b64 %rd<4>;
+    ld.param.u64 %rd1, [cvp_param_0];
+    mov.f32 %f1, 0f3F808000;
+    mov.f32 %f2, 0fC0018001;
+    cvt.rn.bf16x2.f32 %r1, %f1, %f2;
+    st.global.u32 [%rd1], %r1;
+    TRAP
+    ret;
+}
+"#;
+    let mut g = GlobalMem::new();
+    let out = g.alloc(4);
+    run(&body.replace("TRAP", ""), 1, 1, &[KArg::Ptr(out)], &mut g).unwrap();
+    // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: even → 1.0 (0x3f80); −(2.0235…) rounds up in
+    // magnitude past the tie → 0xc002
+    assert_eq!(read_u32(&mut g, out, 1)[0], 0x3f80_c002);
+    let e = run(&body.replace("TRAP", "trap;"), 1, 1, &[KArg::Ptr(out)], &mut g).unwrap_err().to_string();
+    assert!(e.contains("kernel cvp") && e.contains("t.ptx line 15") && e.contains("trap"), "{e}");
+}
