@@ -34,7 +34,7 @@ pub fn device(a: DeviceArgs) -> Result<()> {
 fn report(ordinal: usize) -> Result<serde_json::Value> {
     #[cfg(feature = "cuda")]
     {
-        infomem_engine::backend::cuda::CudaBackend::new(ordinal)?.report()
+        super::open_cuda(ordinal)?.report()
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -19,8 +19,52 @@ use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
+    /// The CPU (f32 or bf16 weights).
     Cpu,
+    /// One sm_90 GPU (a build with `--features cuda`); without a GPU, INFOMEM_CUDA_EMULATE=1 runs it on the emulated device (the kernels' PTX interpreted on the CPU: slow, for checking).
     Cuda,
+}
+
+/// The environment variable that opts `--backend cuda` into the emulated device (`open_cuda`).
+pub const CUDA_EMULATE_ENV: &str = "INFOMEM_CUDA_EMULATE";
+
+/// The CUDA backend on device `ordinal`, or — with INFOMEM_CUDA_EMULATE=1, an explicit opt-in
+/// that never happens by itself — on the emulated device (every kernel's real PTX run by the
+/// interpreter, cuBLASLt emulated: backend/cuda/emulated.rs), said on stderr. Without a GPU the
+/// plain error says so and names the opt-in.
+#[cfg(feature = "cuda")]
+pub fn open_cuda(ordinal: usize) -> Result<infomem_engine::backend::cuda::CudaBackend> {
+    use infomem_engine::backend::cuda::{device_present, CudaBackend};
+    let v = std::env::var(CUDA_EMULATE_ENV).unwrap_or_default();
+    match v.as_str() {
+        "1" => {
+            eprintln!(
+                "--backend cuda: running on the EMULATED device ({CUDA_EMULATE_ENV}=1): the kernels' real PTX interpreted on the CPU, \
+                 cuBLASLt emulated (bf16, f32 accumulation) — for checking the backend without a GPU, far slower than one"
+            );
+            let be = CudaBackend::emulated()?;
+            // refused here, not at the first launch of such a kernel halfway through the work
+            if let Some((name, why)) = be.emulator_blockers().first() {
+                bail!(
+                    "{CUDA_EMULATE_ENV}=1: the emulated device cannot run kernel {name} yet ({why}; {} kernel(s) in all) — the interpreter \
+                     does not model that instruction (issue 54)",
+                    be.emulator_blockers().len()
+                );
+            }
+            Ok(be)
+        }
+        "" | "0" => CudaBackend::new(ordinal).map_err(|e| {
+            if device_present() {
+                e
+            } else {
+                anyhow::anyhow!(
+                    "{e:#} (to run the CUDA backend without a GPU, on the emulated device — the kernels' PTX interpreted on the CPU, \
+                     slow, for checking — set {CUDA_EMULATE_ENV}=1)"
+                )
+            }
+        }),
+        _ => bail!("{CUDA_EMULATE_ENV}={v:?}: expected 1 (run --backend cuda on the emulated device) or 0 / unset (the GPU)"),
+    }
 }
 
 /// `--dtype`: how the model's weight matrices are stored, or `auto` (resolved once, here at the
@@ -80,7 +124,7 @@ pub struct ModelArgs {
     /// PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// Compute backend.
+    /// Compute backend (`cuda`: a build with `--features cuda` and an sm_90 GPU, or with INFOMEM_CUDA_EMULATE=1 the emulated device on the CPU, for checking).
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
     /// Weight storage: f32, bf16 (rounded once at load; products sum in f32; the residual stream, norms, LoRA masters, gradients and optimizer state stay f32: docs/DESIGN.md §3), or auto. The choice is printed on stderr.
@@ -136,7 +180,7 @@ macro_rules! with_model {
                 $args.dtype($work)?;
                 #[cfg(feature = "cuda")]
                 {
-                    let $m = $args.load_on(infomem_engine::backend::cuda::CudaBackend::new(0)?)?;
+                    let $m = $args.load_on($crate::cli::open_cuda(0)?)?;
                     $body
                 }
                 #[cfg(not(feature = "cuda"))]

@@ -98,7 +98,7 @@ pub struct TrainArgs {
     /// HF model directory.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Compute backend (`cuda` needs a build with `--features cuda` and an sm_90 GPU).
+    /// Compute backend (`cuda` needs a build with `--features cuda` and an sm_90 GPU, or INFOMEM_CUDA_EMULATE=1 for the emulated device on the CPU, for checking).
     #[arg(long, value_enum, default_value_t = super::BackendKind::Cpu)]
     pub backend: super::BackendKind,
     /// Weight storage: f32 or bf16 (rounded once; f32 accumulation; LoRA masters, gradients and optimizer state f32: docs/DESIGN.md §3). Saved with the run: a resume keeps it. Default f32 (bf16 on CUDA).
@@ -307,7 +307,7 @@ fn train_locked(a: &TrainArgs, cfg: TrainConfig, explicit: &BTreeSet<String>, wh
             }
             #[cfg(feature = "cuda")]
             {
-                let model = Model::load(&model_dir, infomem_engine::backend::cuda::CudaBackend::new(0)?)?;
+                let model = Model::load(&model_dir, super::open_cuda(0)?)?;
                 train_on(model, a, cfg, &run_cfg, cuda_fit)
             }
             #[cfg(not(feature = "cuda"))]

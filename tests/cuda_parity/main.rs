@@ -1,6 +1,8 @@
 //! CUDA ↔ CPU parity, one module per op family (as src/backend/cuda/<family>.rs and
 //! kernels/<family>.cu): every kernel against its CPU twin on random inputs, then whole models
-//! (inference in `model`, LoRA gradients and optimizer steps in `model_train`).
+//! (inference in `model`, LoRA gradients and optimizer steps in `model_train`), then the whole
+//! binary (`cli_e2e`: score, generate, rollout, eval and train with `--backend cuda`, on the
+//! emulated device through INFOMEM_CUDA_EMULATE=1 when there is no GPU).
 //! Compiled only with `--features cuda`. Without a device the tests run on the emulated device
 //! (the kernels' real PTX in the interpreter, src/backend/cuda/emulated.rs, tensor cores and
 //! cp.async included; the attention tests on smaller batches there); the Qwen-shaped whole-model
@@ -20,6 +22,7 @@ mod common;
 
 mod attention;
 mod attention_dense;
+mod cli_e2e;
 mod device;
 mod footprint;
 mod gemm;

@@ -36,17 +36,17 @@ fn logp_tol(reference: f32) -> f32 {
 /// LoRA GEMMs, summation order). A wrong index or transpose gives errors of order 1 and a
 /// cosine far from 1.
 #[derive(Clone, Copy)]
-struct GradBound {
+pub(super) struct GradBound {
     max_rel: f64,
     min_cos: f64,
 }
 
-const TINY_BOUND: GradBound = GradBound { max_rel: 0.15, min_cos: 0.99 };
+pub(super) const TINY_BOUND: GradBound = GradBound { max_rel: 0.15, min_cos: 0.99 };
 
 const HALF_B_BOUND: GradBound = GradBound { max_rel: 5e-2, min_cos: 0.998 };
 
 /// Returns the worst relative error over the tensors.
-fn compare_tensors(what: &str, tc: &BTreeMap<String, HostTensor>, td: &BTreeMap<String, HostTensor>, bound: GradBound) -> f64 {
+pub(super) fn compare_tensors(what: &str, tc: &BTreeMap<String, HostTensor>, td: &BTreeMap<String, HostTensor>, bound: GradBound) -> f64 {
     assert_eq!(tc.len(), td.len());
     let mut worst = (0f64, String::new(), 1f64);
     for (k, t) in tc {

@@ -199,6 +199,12 @@ impl CudaBackend {
         self.emu.as_ref().and_then(|e| e.unsupported(name))
     }
 
+    /// The backend's kernels the emulated device cannot run, each with why (empty on the real
+    /// device, and on the emulated one once the interpreter covers every instruction they use).
+    pub fn emulator_blockers(&self) -> Vec<(&'static str, String)> {
+        KERNEL_NAMES.iter().flat_map(|(_, names)| names.iter()).filter_map(|&n| self.emulator_unsupported(n).map(|why| (n, why))).collect()
+    }
+
     fn on(dev: Arc<dyn Device>, emu: Option<Arc<super::emulated::EmuDevice>>, alloc: Option<&str>) -> Result<Self> {
         // The dense attention backward's dK/dV kernel carves its tiles from dynamic shared memory
         // (up to ~69 KiB at head_dim 128, over the 48 KiB a launch gets without asking).

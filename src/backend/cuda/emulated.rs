@@ -3,16 +3,16 @@
 //! interpreter (`ptx/`) after launch validation (`ptx::launch`), with the shared-memory race
 //! detector on. The GEMMs are computed on the CPU with cuBLASLt's column-major semantics applied
 //! to the descriptors `gemm::describe` builds, so the backend's row-major → cuBLASLt mapping is
-//! what gets checked; each output is the exactly rounded f64 dot product, where cuBLASLt sums in
-//! f32 in an order of its choosing (the parity bounds cover that difference).
+//! what gets checked: bf16 inputs, f32 accumulation in a stated order, refusing what it does not
+//! implement (`emulated_gemm.rs`).
 //!
 //! Everything runs synchronously under one lock, in call order — the one in-order stream.
 use super::alloc::DeviceAlloc;
+use super::emulated_gemm;
 use super::gemm::{describe, GemmArgs};
 use super::ptx::{self, mem::GlobalMem};
 use super::seam::{DevMemInfo, Device, KArg};
-use anyhow::{anyhow, bail, Context, Result};
-use half::bf16;
+use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -115,10 +115,6 @@ impl DeviceAlloc for EmuAlloc {
     fn trim_pool(&self) {}
 }
 
-fn bf16_at(d: &[u8], i: usize) -> f64 {
-    bf16::from_bits(u16::from_le_bytes([d[2 * i], d[2 * i + 1]])).to_f64()
-}
-
 impl Device for EmuDevice {
     fn name(&self) -> String {
         "emulated sm_90 (PTX interpreter on the CPU)".into()
@@ -179,68 +175,19 @@ impl Device for EmuDevice {
         self.launches.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
-    /// `D = alpha·op(A)·op(B) + beta·C` column-major on `describe`'s layouts (A = w, B = x,
-    /// C = D = y), bf16 inputs, f32 or bf16 output.
+    /// cuBLASLt's matmul on `describe`'s layouts: `emulated_gemm` (its summation model and what
+    /// it refuses).
     fn gemm(&self, g: &GemmArgs, _workspace: u64) -> Result<()> {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
         let d = describe(g.m, g.n, g.k, g.ldx, g.ldw, g.ldy, g.xt, g.wt)?;
+        emulated_gemm::check(g, &d)?;
         let mut s = self.lock()?;
-        // the bytes each operand spans: (cols - 1)·ld + rows elements
-        let span = |l: &super::gemm::Layout| (l.cols - 1) * l.ld + l.rows;
-        let a = s.gmem.slice(g.w, span(&d.a) * 2, "gemm operand A (w)").map_err(|e| anyhow!("{e:#}"))?.to_vec();
-        let b = s.gmem.slice(g.x, span(&d.b) * 2, "gemm operand B (x)")?.to_vec();
-        let esz = if g.y_bf16 { 2 } else { 4 };
-        let c = s.gmem.slice_mut(g.y, span(&d.c) * esz, "gemm output C/D (y)")?;
-        let inner = if d.trans_a { d.a.rows } else { d.a.cols };
-        // op(A) as rows × inner and op(B)ᵀ as cols × inner, contiguous f32 (bf16 is exact in f32)
-        let (rows, cols) = (d.c.rows, d.c.cols);
-        let mut opa = vec![0f32; rows * inner];
-        for i in 0..rows {
-            for l in 0..inner {
-                opa[i * inner + l] = if d.trans_a { bf16_at(&a, l + i * d.a.ld) } else { bf16_at(&a, i + l * d.a.ld) } as f32;
-            }
-        }
-        let mut opbt = vec![0f32; cols * inner];
-        for j in 0..cols {
-            for l in 0..inner {
-                opbt[j * inner + l] = if d.trans_b { bf16_at(&b, j + l * d.b.ld) } else { bf16_at(&b, l + j * d.b.ld) } as f32;
-            }
-        }
-        // each output: the f64 sum of exact products, rounded once (columns in parallel)
-        let dots: Vec<f64> = {
-            use rayon::prelude::*;
-            (0..cols)
-                .into_par_iter()
-                .flat_map_iter(|j| {
-                    let bj = &opbt[j * inner..(j + 1) * inner];
-                    let opa = &opa;
-                    (0..rows).map(move |i| opa[i * inner..(i + 1) * inner].iter().zip(bj).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>())
-                })
-                .collect()
-        };
-        for j in 0..cols {
-            for i in 0..rows {
-                let acc = dots[j * rows + i];
-                let o = (i + j * d.c.ld) * esz;
-                let old = if g.beta != 0.0 {
-                    if g.y_bf16 {
-                        bf16::from_bits(u16::from_le_bytes([c[o], c[o + 1]])).to_f64()
-                    } else {
-                        f32::from_le_bytes(c[o..o + 4].try_into().unwrap()) as f64
-                    }
-                } else {
-                    0.0
-                };
-                let v = (g.alpha as f64 * acc + g.beta as f64 * old) as f32;
-                if g.y_bf16 {
-                    c[o..o + 2].copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
-                } else {
-                    c[o..o + 4].copy_from_slice(&v.to_le_bytes());
-                }
-            }
-        }
+        let a = s.gmem.slice(g.w, emulated_gemm::span(&d.a) * 2, "gemm operand A (w)")?.to_vec();
+        let b = s.gmem.slice(g.x, emulated_gemm::span(&d.b) * 2, "gemm operand B (x)")?.to_vec();
+        let c = s.gmem.slice_mut(g.y, emulated_gemm::span(&d.c) * if g.y_bf16 { 2 } else { 4 }, "gemm output C/D (y)")?;
+        emulated_gemm::run(g, &d, &a, &b, c);
         Ok(())
     }
     fn mem_info(&self, _pool: bool) -> Result<DevMemInfo> {

@@ -46,7 +46,8 @@
 //!
 //! **Layout.** `device.rs` is the runtime (buffers, copies, caches) over the device seam
 //! (`seam.rs`: the `Device` trait; `real.rs` the driver + cuBLASLt, `emulated.rs` the CPU
-//! emulation running the embedded PTX in the interpreter `ptx/`), `alloc.rs` the allocator,
+//! emulation running the embedded PTX in the interpreter `ptx/`, cuBLASLt's matmul in
+//! `emulated_gemm.rs`), `alloc.rs` the allocator,
 //! `footprint.rs` the memory plan; every other file is one op
 //! family mirroring `kernels/<family>.cu` and `src/backend/cpu/<family>.rs` (the table in
 //! `backend/mod.rs`): it launches the family's kernels, forward and backward, and holds the
@@ -81,6 +82,7 @@ pub mod device;
 #[cfg(test)]
 pub(crate) mod emulate;
 pub mod emulated;
+pub mod emulated_gemm;
 #[cfg(test)]
 mod emulated_kernels;
 pub mod footprint;
