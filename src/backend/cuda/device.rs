@@ -194,6 +194,18 @@ impl CudaBackend {
         self.emu.as_ref().map(|e| e.stats())
     }
 
+    /// Per-kernel counters of the emulated device's launches (`ptx::counters`) since the last
+    /// reset; None on a real device.
+    pub fn emulator_counters(&self) -> Option<std::collections::BTreeMap<String, super::emulated::KernelCounters>> {
+        self.emu.as_ref().map(|e| e.counters())
+    }
+
+    pub fn emulator_reset_counters(&self) {
+        if let Some(e) = &self.emu {
+            e.reset_counters();
+        }
+    }
+
     /// Why kernel `name` cannot run on the emulated device (outside the interpreter's subset).
     pub fn emulator_unsupported(&self, name: &str) -> Option<String> {
         self.emu.as_ref().and_then(|e| e.unsupported(name))
