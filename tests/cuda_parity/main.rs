@@ -19,6 +19,7 @@ mod common;
 
 mod attention;
 mod attention_dense;
+mod conformance;
 mod device;
 mod footprint;
 mod gemm;

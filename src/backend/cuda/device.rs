@@ -102,6 +102,7 @@ pub(super) const KERNEL_NAMES: &[(&str, &[&str])] = &[
     super::logprob::KERNELS,
     super::sample::KERNELS,
     super::optim::KERNELS,
+    super::conformance::KERNELS,
 ];
 
 /// Whether the NVIDIA driver library loads and reports at least one device. Never panics.

@@ -77,6 +77,7 @@ macro_rules! launch_dyn {
 pub mod alloc;
 pub mod attention;
 pub mod attention_dense;
+pub mod conformance;
 pub mod device;
 #[cfg(test)]
 pub(crate) mod emulate;
