@@ -62,6 +62,15 @@ fn rel_and_cos(a: &[f32], b: &[f32]) -> (f64, f64) {
     ((num / nb.max(1e-300)).sqrt(), dot / (na.sqrt() * nb.sqrt()).max(1e-300))
 }
 
+/// A backend a model can own: device 0, or without one a fresh emulated device.
+fn own_backend() -> CudaBackend {
+    if cuda::device_present() {
+        CudaBackend::new(0).unwrap()
+    } else {
+        CudaBackend::emulated().unwrap()
+    }
+}
+
 fn up(be: &CudaBackend, x: &[f32], dtype: Dtype) -> cuda::CudaBuf {
     be.upload_as(x, dtype).unwrap()
 }

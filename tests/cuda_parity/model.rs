@@ -7,7 +7,7 @@ fn pair(cfg: ModelConfig, w: ModelWeights) -> (Model<CpuBackend>, Model<CudaBack
     round_weights(&mut wr);
     let dir = std::path::Path::new("(in memory)");
     let c = Model::from_weights(cfg.clone(), wr.clone(), None, CpuBackend::new(), dir).unwrap();
-    let d = Model::from_weights(cfg, wr, None, CudaBackend::new(0).unwrap(), dir).unwrap();
+    let d = Model::from_weights(cfg, wr, None, own_backend(), dir).unwrap();
     (c, d)
 }
 
@@ -106,7 +106,7 @@ fn score_one<B: Backend>(m: &Model<B>, ctx: &[u32], tgt: &[u32]) -> Vec<f32> {
 
 #[test]
 fn tiny_models_generate_and_score() {
-    let _ = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
+    let _ = cuda_or_skip!();
     let cases = cases();
     // every fixture family (tests/common: Llama, Qwen2, Qwen3 with its q/k norms and
     // head_dim ≠ hidden/heads, Mistral, Llama-3.2 with llama3 RoPE scaling)
@@ -138,7 +138,7 @@ fn tiny_models_generate_and_score() {
 /// batched greedy decoding of rows of different lengths in one step.
 #[test]
 fn qwen2_half_b_layer_batched() {
-    let _ = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
+    let _ = cuda_or_skip!();
     let cfg = ModelConfig::from_json(&serde_json::json!({
         "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 1,
         "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,

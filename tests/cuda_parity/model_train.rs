@@ -4,7 +4,7 @@ use super::*;
 
 /// The same checkpoint and adapter on the CPU (bf16-rounded values, the reference) and the device.
 fn pair_lora(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter) -> (Model<CpuBackend>, Model<CudaBackend>) {
-    pair_on(cfg, w, adapter, CudaBackend::new(0).unwrap())
+    pair_on(cfg, w, adapter, own_backend())
 }
 
 fn pair_on<D: TrainBackend>(cfg: ModelConfig, w: ModelWeights, adapter: LoraAdapter, dev: D) -> (Model<CpuBackend>, Model<D>) {
@@ -104,7 +104,7 @@ fn compare_grads<D: TrainBackend>(what: &str, c: &Model<CpuBackend>, d: &Model<D
 /// gradient on the device against the CPU.
 #[test]
 fn fixture_lora_gradients_match_cpu() {
-    let _ = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
+    let _ = cuda_or_skip!();
     let cases = cases();
     for arch in ARCHS {
         let g = &cases[arch]["grpo"];
@@ -187,7 +187,7 @@ fn half_b_case() -> (ModelConfig, ModelWeights, LoraAdapter, Vec<Conversation>) 
 
 #[test]
 fn qwen2_half_b_lora_gradients_and_step_match_cpu() {
-    let _ = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
+    let _ = cuda_or_skip!();
     let (cfg, w, ad, convs) = half_b_case();
     let (mut c, mut dm) = pair_lora(cfg, w, ad);
     half_b_check("qwen2-0.5B shape, 2 layers", &mut c, &mut dm, &convs);
@@ -468,13 +468,13 @@ fn qwen3_shape_test(shape: (&str, usize, usize, usize, usize)) {
 
 #[test]
 fn qwen3_1_7b_shape_logits_and_lora_gradients_match_cpu() {
-    let _ = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
+    let _ = cuda_or_skip!();
     qwen3_shape_test(super::model::QWEN3_SHAPES[0]);
 }
 
 #[test]
 fn qwen3_4b_shape_logits_and_lora_gradients_match_cpu() {
-    let _ = gpu_or_skip!("the attention kernels use mma.sync / cp.async (issue 54)");
+    let _ = cuda_or_skip!();
     qwen3_shape_test(super::model::QWEN3_SHAPES[1]);
 }
 

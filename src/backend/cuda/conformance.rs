@@ -347,7 +347,10 @@ mod tests {
             println!("skipped: the interpreter has no mma.sync yet (branch emu-mma): {why}");
             return;
         }
+        be.emulator_reset_counters();
         let got = be.conformance_mma(&case).unwrap();
+        let k = &be.emulator_counters().unwrap()["conformance_mma"];
+        assert_eq!((k.launches, k.counters.mma), (1, 1), "one warp, one tensor-core issue");
         let (text, bad) = report_mma(&case, &got, None);
         println!("{text}");
         assert!(bad.is_empty(), "{bad:#?}");

@@ -161,6 +161,8 @@ impl Counters {
                 self.sfu_ops += n
             }
             Op::LdParam { ty, .. } => self.bytes[Traffic::Param as usize] += ty.bytes() as u64 * n,
+            // warp-collective: one issue of the whole warp (predicated off: nothing)
+            Op::Mma { .. } if exec != 0 => self.mma += 1,
             _ => {}
         }
     }
@@ -186,11 +188,13 @@ impl Pending {
     #[inline(always)]
     pub fn flush(&mut self, op: &Op, c: &mut Counters, hbm: &mut (HashSet<u64>, HashSet<u64>)) {
         if !self.lanes.is_empty() {
-            self.charge(matches!(op, Op::St { .. }), matches!(op, Op::Atom { .. }), c, hbm);
+            self.charge(matches!(op, Op::St { .. }), matches!(op, Op::Atom { .. }), matches!(op, Op::CpAsync { .. }), c, hbm);
         }
     }
 
-    fn charge(&mut self, write: bool, atomic: bool, c: &mut Counters, hbm: &mut (HashSet<u64>, HashSet<u64>)) {
+    /// `cp`: a `cp.async`, whose lanes' global reads are its only accesses here (the shared
+    /// bytes land at the wait): its bytes count as `CpAsync`, its sectors as a global load's.
+    fn charge(&mut self, write: bool, atomic: bool, cp: bool, c: &mut Counters, hbm: &mut (HashSet<u64>, HashSet<u64>)) {
         for space in [Space::Global, Space::Shared, Space::Local] {
             self.sort.clear();
             let mut bytes = 0u64;
@@ -204,6 +208,7 @@ impl Pending {
                 continue;
             }
             let t = match (space, write, atomic) {
+                (Space::Global, _, _) if cp => Traffic::CpAsync,
                 (Space::Global, _, true) => Traffic::GlobalAtom,
                 (Space::Global, true, _) => Traffic::GlobalSt,
                 (Space::Global, false, _) => Traffic::GlobalLd,

@@ -144,3 +144,47 @@ fn sector_and_wavefront_rules() {
     let mut r: Vec<(u64, u64)> = (0..32).map(|l| (l * 8, l * 8 + 8)).collect();
     assert_eq!(wavefronts(&mut r), (2, 2));
 }
+
+/// 32 lanes copy 16 contiguous bytes each with cp.async (512 bytes: 16 sectors, one request),
+/// wait, read them back from shared memory; then one mma.sync of the warp (zeros).
+const ASYNC_MMA: &str = r#"
+.visible .entry am(.param .u64 am_param_0)
+{
+    .reg .b32 %r<16>;
+    .reg .f32 %f<8>;
+    .reg .b64 %rd<4>;
+    .shared .align 16 .b8 buf[512];
+    ld.param.u64 %rd1, [am_param_0];
+    mov.u32 %r1, %tid.x;
+    shl.b32 %r2, %r1, 4;
+    mov.u32 %r3, buf;
+    add.s32 %r4, %r3, %r2;
+    mul.wide.u32 %rd2, %r1, 16;
+    add.s64 %rd3, %rd1, %rd2;
+    cp.async.cg.shared.global [%r4], [%rd3], 16;
+    cp.async.commit_group;
+    cp.async.wait_group 0;
+    ld.shared.v4.u32 {%r5, %r6, %r7, %r8}, [%r4];
+    mov.f32 %f1, 0f00000000;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f2, %f3, %f4, %f5}, {%r5, %r6, %r7, %r8}, {%r5, %r6}, {%f1, %f1, %f1, %f1};
+    ret;
+}
+"#;
+
+#[test]
+fn cp_async_bytes_and_mma_issues() {
+    let mut g = GlobalMem::new();
+    let src = g.alloc(512);
+    let c = counted(ASYNC_MMA, 1, 32, &[KArg::Ptr(src)], &mut g);
+    assert_eq!(c.bytes_of(Traffic::CpAsync), 512);
+    assert_eq!(c.bytes_of(Traffic::GlobalLd), 0, "the copy's global reads are cp.async bytes");
+    assert_eq!(c.global_ld, Requests { requests: 1, actual: 16, ideal: 16 });
+    assert_eq!(c.hbm_read_sectors, 16);
+    assert_eq!(c.shared_ld, Requests { requests: 1, actual: 4, ideal: 4 });
+    assert_eq!(c.mma, 1);
+    assert_eq!(c.flops(), 4096);
+    // two warps: one mma issue each
+    let src2 = g.alloc(1024);
+    let c = counted(&ASYNC_MMA.replace("buf[512]", "buf[1024]"), 1, 64, &[KArg::Ptr(src2)], &mut g);
+    assert_eq!((c.mma, c.global_ld.requests, c.bytes_of(Traffic::CpAsync)), (2, 2, 1024));
+}

@@ -7,14 +7,20 @@
 //! first common instruction; nvcc lays out structured control flow so that this is the
 //! immediate post-dominator (the join follows both arms), and for any layout it is still a legal
 //! schedule of independent threads. It needs no CFG analysis (a SIMT stack would need the
-//! post-dominator tree), and a warp-synchronous instruction (`shfl.sync`, `redux.sync`) whose
-//! member lanes are not all at it is exactly a divergent-collective bug, reported as such.
+//! post-dominator tree), and a warp-synchronous instruction (`shfl.sync`, `redux.sync`,
+//! `mma.sync`) whose member lanes are not all at it is exactly a divergent-collective bug,
+//! reported as such.
+//!
+//! `cp.async` copies are kept per thread in `cp_async::AsyncCopies` and land at the issuer's
+//! wait; every shared access first asks it whether its bytes are still in flight.
 //!
 //! Registers: `[warp][register][lane]` u64 slots, each holding its value's bits zero-extended.
 use super::alu::{binary, compare, convert, sext, unary};
 use super::counters::{Counters, Pending};
+use super::cp_async::{self, AsyncCopies};
 use super::float::{self, mask};
 use super::mem::{self, GlobalMem, RaceDetector, Window};
+use super::mma;
 use super::ir::{Addr, BinOp, Func, Inst, Op, Opnd, RedOp, Rnd, ShflMode, Space, Sreg, Ty};
 use anyhow::{anyhow, bail, Result};
 
@@ -63,6 +69,8 @@ struct Cta<'a> {
     shared: Vec<u8>,
     local: Vec<u8>,
     race: Option<RaceDetector>,
+    /// cp.async copies issued and not yet landed.
+    cp: AsyncCopies,
     /// Global stores of this launch: address → (block + 1, PTX line), when races are checked.
     /// Blocks are unordered, so a location written by one block and accessed by another in the
     /// same launch is a race (duplicate kv_store slots, overlapping row ownership). Keyed by the
@@ -93,6 +101,7 @@ pub fn run(f: &Func, l: &Launch, gmem: &mut GlobalMem) -> Result<Stats> {
         shared: vec![0; smem],
         local: vec![0; f.local_bytes * nw * 32],
         race: None,
+        cp: AsyncCopies::new(nw * 32, smem),
         global_writes: std::collections::HashMap::new(),
         bar_pred: vec![false; nw * 32],
         stats: Stats::default(),
@@ -106,6 +115,7 @@ pub fn run(f: &Func, l: &Launch, gmem: &mut GlobalMem) -> Result<Stats> {
         cta.shared.fill(0);
         cta.local.fill(0);
         cta.race = l.race_check.then(|| RaceDetector::new(smem));
+        cta.cp.reset();
         cta.run_block(gmem)?;
     }
     cta.stats.counters.hbm_read_sectors = cta.hbm.0.len() as u64;
@@ -319,6 +329,9 @@ impl Cta<'_> {
                     Op::Shfl { .. } | Op::Redux { .. } => {
                         self.collective(w, warp, inst, exec, m)?;
                     }
+                    Op::Mma { d, a, b, c } => {
+                        self.mma(w, warp, inst, exec, *d, *a, *b, *c)?;
+                    }
                     op => {
                         if exec != 0 {
                             self.exec(w, inst, op, exec, gmem)?;
@@ -409,6 +422,121 @@ impl Cta<'_> {
         Ok(())
     }
 
+    /// `mma.sync.aligned`: all 32 lanes of the warp execute it together (semantics in `mma.rs`).
+    #[allow(clippy::too_many_arguments)]
+    fn mma(&mut self, w: usize, warp: &Warp, inst: &Inst, exec: u32, d: [u32; 4], a: [Opnd; 4], b: [Opnd; 2], c: [Opnd; 4]) -> Result<()> {
+        if exec == 0 {
+            return Ok(()); // predicated off for the whole warp
+        }
+        if exec != u32::MAX {
+            let exited: u32 = (0..32).filter(|&l| warp.st[l] == Lane::Done).fold(0, |a, l| a | (1 << l));
+            bail!(
+                "emulated device: {}: mma.sync.aligned is warp-collective: all 32 lanes must execute it converged, but lanes 0x{:08x} do not (0x{exited:08x} have exited; the rest are diverged or predicated off)",
+                self.where_(inst, w, lanes(exec).next().unwrap_or(0)),
+                !exec
+            );
+        }
+        let (mut ra, mut rb, mut rc) = ([[0u64; 4]; 32], [[0u64; 2]; 32], [[0u64; 4]; 32]);
+        for lane in 0..32 {
+            for i in 0..4 {
+                ra[lane][i] = self.val(w, a[i], lane);
+                rc[lane][i] = self.val(w, c[i], lane);
+            }
+            for i in 0..2 {
+                rb[lane][i] = self.val(w, b[i], lane);
+            }
+        }
+        let rd = mma::mma_m16n8k16_bf16(&ra, &rb, &rc);
+        for (lane, dl) in rd.iter().enumerate() {
+            for i in 0..4 {
+                self.set(w, d[i], lane, dl[i]);
+            }
+        }
+        Ok(())
+    }
+
+    /// `cp.async` of one lane: bounds and alignment now, the source read now, the shared bytes
+    /// marked in flight until the issuer's wait (`cp_async.rs`).
+    #[allow(clippy::too_many_arguments)]
+    fn cp_async_issue(&mut self, inst: &Inst, w: usize, lane: usize, dst: Addr, src: Addr, size: u32, src_size: Option<Opnd>, gmem: &mut GlobalMem) -> Result<()> {
+        let n = size as usize;
+        let (d, s) = (self.addr(w, dst, lane), self.addr(w, src, lane));
+        let from = src_size.map_or(n as u64, |o| self.val(w, o, lane) & 0xffff_ffff);
+        if from > n as u64 {
+            bail!("emulated device: {}: cp.async src-size {from} exceeds its cp-size {n}", self.where_(inst, w, lane));
+        }
+        if !d.is_multiple_of(n as u64) || !s.is_multiple_of(n as u64) {
+            bail!("emulated device: {}: misaligned {n}-byte cp.async (shared 0x{d:x}, global 0x{s:x}; both must be multiples of {n})", self.where_(inst, w, lane));
+        }
+        let off = d as usize;
+        if off + n > self.shared.len() {
+            bail!("emulated device: {}: out-of-bounds {n}-byte cp.async into shared offset {off} (the block has {} bytes)", self.where_(inst, w, lane), self.shared.len());
+        }
+        self.shared_check(inst, w, lane, off, n, true, "cp.async")?;
+        let mut data = [0u8; 16];
+        if from > 0 {
+            self.access(inst, w, lane, Space::Global, s, &mut data[..from as usize], false, gmem)?;
+        }
+        self.cp.issue(w * 32 + lane, cp_async::Copy { off, len: n, data, line: inst.line });
+        Ok(())
+    }
+
+    /// `cp.async.wait_group n` of one lane: its completed copies land in shared memory (a write
+    /// by its warp, for the race detector, at the wait's epoch).
+    fn cp_async_wait(&mut self, inst: &Inst, w: usize, lane: usize, n: u32, all: bool) -> Result<()> {
+        if all {
+            self.cp.commit(w * 32 + lane);
+        }
+        for c in self.cp.wait(w * 32 + lane, n as usize) {
+            if let Some(r) = &mut self.race {
+                if let Some(race) = r.access(c.off, c.len, w, true, c.line) {
+                    bail!(
+                        "emulated device: {}: shared-memory race on the word at offset {}: the cp.async of PTX line {}{} lands here (warp {w}), and a {} by warp {} at PTX line {}{} has no barrier between them",
+                        self.where_(inst, w, lane),
+                        race.word * 4,
+                        c.line,
+                        self.src_of_line(c.line),
+                        if race.other_write { "store" } else { "load" },
+                        race.other_warp,
+                        race.other_line,
+                        self.src_of_line(race.other_line)
+                    );
+                }
+            }
+            self.shared[c.off..c.off + c.len].copy_from_slice(&c.data[..c.len]);
+        }
+        Ok(())
+    }
+
+    /// Shared-memory checks of an access by warp `w` (lane `lane`): no byte of it in flight in
+    /// a cp.async, and no race with another warp in this barrier epoch.
+    #[allow(clippy::too_many_arguments)]
+    fn shared_check(&mut self, inst: &Inst, w: usize, lane: usize, o: usize, n: usize, write: bool, what: &str) -> Result<()> {
+        if let Some(f) = self.cp.check(o, n) {
+            bail!(
+                "emulated device: {}: this {what} at shared offset {o} (+{n}) touches bytes of the cp.async issued by thread {} at PTX line {}{}, which that thread has not yet waited for (cp.async.wait_group): the data is in flight, and a GPU would read or overwrite old or new bytes depending on timing",
+                self.where_(inst, w, lane),
+                f.thread,
+                f.line,
+                self.src_of_line(f.line)
+            );
+        }
+        if let Some(r) = &mut self.race {
+            if let Some(race) = r.access(o, n, w, write, inst.line) {
+                let other = if race.other_warp == usize::MAX { "several other warps".to_string() } else { format!("warp {}", race.other_warp) };
+                bail!(
+                    "emulated device: {}: shared-memory race on the word at offset {}: this {what} (warp {w}) and a {} by {other} at PTX line {}{} with no barrier between them",
+                    self.where_(inst, w, lane),
+                    race.word * 4,
+                    if race.other_write { "store" } else { "load" },
+                    race.other_line,
+                    self.src_of_line(race.other_line)
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// One per-lane instruction for the lanes of `exec`.
     fn exec(&mut self, w: usize, inst: &Inst, op: &Op, exec: u32, gmem: &mut GlobalMem) -> Result<()> {
         match *op {
@@ -489,6 +617,15 @@ impl Cta<'_> {
                     self.set(w, d, lane, v);
                 }
             }
+            Op::CvtBf16x2 { d, a, b } => {
+                for lane in lanes(exec) {
+                    let cv = |x: u64| convert(Ty::Bf16, Ty::F32, Rnd::Rn, false, false, x);
+                    let (hi, lo) = (cv(self.val(w, a, lane)), cv(self.val(w, b, lane)));
+                    let v = (hi.map_err(|e| anyhow!("emulated device: {}: {e}", self.where_(inst, w, lane)))? << 16) | lo.map_err(|e| anyhow!("emulated device: {}: {e}", self.where_(inst, w, lane)))?;
+                    self.set(w, d, lane, v);
+                }
+            }
+            Op::Trap => bail!("emulated device: {}: the kernel executed trap (it aborts: a device-side check failed)", self.where_(inst, w, lanes(exec).next().unwrap_or(0))),
             Op::Cvta { space, to, d, a } => {
                 let win = match space {
                     Space::Shared => mem::SHARED_WINDOW,
@@ -580,6 +717,21 @@ impl Cta<'_> {
                     self.set(w, d, lane, old);
                 }
             }
+            Op::CpAsync { dst, src, size, src_size } => {
+                for lane in lanes(exec) {
+                    self.cp_async_issue(inst, w, lane, dst, src, size, src_size, gmem)?;
+                }
+            }
+            Op::CpAsyncCommit => {
+                for lane in lanes(exec) {
+                    self.cp.commit(w * 32 + lane);
+                }
+            }
+            Op::CpAsyncWait { n, all } => {
+                for lane in lanes(exec) {
+                    self.cp_async_wait(inst, w, lane, n, all)?;
+                }
+            }
             _ => bail!("emulated device: {}: instruction reached the generic executor unexpectedly", self.where_(inst, w, 0)),
         }
         Ok(())
@@ -641,19 +793,7 @@ impl Cta<'_> {
                         self.l.dyn_smem
                     );
                 }
-                if let Some(r) = &mut self.race {
-                    if let Some(race) = r.access(o, n, w, write, inst.line) {
-                        let other = if race.other_warp == usize::MAX { "several other warps".to_string() } else { format!("warp {}", race.other_warp) };
-                        bail!(
-                            "emulated device: {}: shared-memory race on the word at offset {}: this {what} (warp {w}) and a {} by {other} at PTX line {}{} with no barrier between them",
-                            self.where_(inst, w, lane),
-                            race.word * 4,
-                            if race.other_write { "store" } else { "load" },
-                            race.other_line,
-                            self.src_of_line(race.other_line)
-                        );
-                    }
-                }
+                self.shared_check(inst, w, lane, o, n, write, what)?;
                 if write {
                     self.shared[o..o + n].copy_from_slice(buf);
                 } else {

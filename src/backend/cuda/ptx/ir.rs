@@ -1,6 +1,6 @@
 //! The decoded form of PTX: types, operands, instructions, functions and modules as `parse.rs`
 //! produces them and `exec.rs` runs them — no strings left except names for messages.
-//! Part 2 (tensor cores, cp.async) adds `Op` variants here.
+//! Tensor cores (`Mma`) and asynchronous copies (`CpAsync*`) are `Op` variants like the rest.
 use std::collections::HashMap;
 /// Register / operand types. Registers hold their bits zero-extended in a u64.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,8 +191,7 @@ pub enum ShflMode {
     Idx,
 }
 
-/// A decoded instruction. Part 2 (tensor cores, cp.async) adds variants here and arms in
-/// `exec.rs`; warp-collective ones get the whole warp like `Shfl`.
+/// A decoded instruction. Warp-collective ones (`Shfl`, `Redux`, `Mma`) get the whole warp.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     Un { op: UnOp, ty: Ty, ftz: bool, d: u32, a: Opnd },
@@ -208,6 +207,10 @@ pub enum Op {
     Selp { ty: Ty, d: u32, a: Opnd, b: Opnd, p: Opnd },
     /// Predicate logic (`and.pred` etc. are `Bin` on Pred).
     Cvt { dty: Ty, sty: Ty, rnd: Rnd, sat: bool, ftz: bool, d: u32, a: Opnd },
+    /// `cvt.rn.bf16x2.f32 d, a, b`: both rounded to bf16, `a` in the upper half (PTX ISA).
+    CvtBf16x2 { d: u32, a: Opnd, b: Opnd },
+    /// `trap`: the kernel aborts (an error naming its line).
+    Trap,
     /// `cvta.shared.u64` (to generic: +window) / `cvta.to.shared.u64` (−window); global is the identity.
     Cvta { space: Space, to: bool, d: u32, a: Opnd },
     Bfi { ty: Ty, d: u32, a: Opnd, b: Opnd, pos: Opnd, len: Opnd },
@@ -221,6 +224,16 @@ pub enum Op {
     BarRed { op: RedOp, d: u32, p: Opnd, neg: bool },
     Shfl { mode: ShflMode, d: u32, dp: Option<u32>, a: Opnd, b: Opnd, c: Opnd, mask: Opnd },
     Redux { op: RedOp, ty: Ty, d: u32, a: Opnd, mask: Opnd },
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0..d3}, {a0..a3}, {b0, b1}, {c0..c3}`
+    /// (the only shape and types modelled; semantics in `mma.rs`).
+    Mma { d: [u32; 4], a: [Opnd; 4], b: [Opnd; 2], c: [Opnd; 4] },
+    /// `cp.async.{ca,cg}.shared.global [dst], [src], size{, src_size}`: `size` bytes to shared
+    /// memory, of which the first `src_size` (default `size`) come from global, the rest zero.
+    CpAsync { dst: Addr, src: Addr, size: u32, src_size: Option<Opnd> },
+    /// `cp.async.commit_group`.
+    CpAsyncCommit,
+    /// `cp.async.wait_group n` (`all`: `cp.async.wait_all`, i.e. commit then wait for 0).
+    CpAsyncWait { n: u32, all: bool },
 }
 
 #[derive(Clone, Debug)]

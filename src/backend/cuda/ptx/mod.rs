@@ -6,19 +6,20 @@
 //! One room per idea: `ir.rs` (the decoded form), `parse.rs` (text → it), `mem.rs` (global allocations,
 //! shared/local memory, the race detector), `float.rs` (rounding modes and the models of the
 //! approximate instructions, with their error bounds), `exec.rs` (warps, barriers, memory
-//! instructions), `alu.rs` (per-lane arithmetic), `launch.rs` (launch validation), `counters.rs`
-//! (what a launch did: issues, bytes per state space, coalescing, bank conflicts, flops).
-//!
-//! Part 2 (issue 54) extends it without reshaping: `mma.sync` is a warp-collective `Op` like
-//! `Shfl` (the executor hands it the whole warp's registers), `cp.async` a per-lane memory op
-//! plus per-thread group state in `Cta`, and cuBLASLt lives in the emulated device, not here.
+//! instructions), `alu.rs` (per-lane arithmetic), `launch.rs` (launch validation), `mma.rs`
+//! (the tensor-core instruction: fragment layouts and arithmetic model), `cp_async.rs` (the
+//! asynchronous copies in flight per thread), `counters.rs` (what a launch did: issues, bytes
+//! per state space, coalescing, bank conflicts, flops). cuBLASLt lives in the emulated device,
+//! not here.
 pub mod alu;
 pub mod counters;
+pub mod cp_async;
 pub mod exec;
 pub mod float;
 pub mod ir;
 pub mod launch;
 pub mod mem;
+pub mod mma;
 pub mod parse;
 
 use anyhow::{Context, Result};
@@ -61,3 +62,5 @@ impl Program {
 mod tests;
 #[cfg(test)]
 mod counters_tests;
+#[cfg(test)]
+mod tests_mma_cp;

@@ -372,6 +372,13 @@ fn decode(cx: &mut FnCtx, opcode: &str, args: &str, labels: &HashMap<String, u32
             need(4)?;
             Op::Selp { ty: ty(0)?, d: cx.dreg(&ops[0])?, a: cx.opnd(&ops[1])?, b: cx.opnd(&ops[2])?, p: cx.opnd(&ops[3])? }
         }
+        "cvt" if has("bf16x2") => {
+            if opcode != "cvt.rn.bf16x2.f32" {
+                bail!("only cvt.rn.bf16x2.f32 of the packed conversions is modelled");
+            }
+            need(3)?;
+            Op::CvtBf16x2 { d: cx.dreg(&ops[0])?, a: cx.opnd(&ops[1])?, b: cx.opnd(&ops[2])? }
+        }
         "cvt" => {
             known(&["sat", "ftz"])?;
             need(2)?;
@@ -434,6 +441,7 @@ fn decode(cx: &mut FnCtx, opcode: &str, args: &str, labels: &HashMap<String, u32
             Op::Bra { target, uni: has("uni") }
         }
         "ret" | "exit" => Op::Ret,
+        "trap" => Op::Trap,
         "bar" | "barrier" => {
             if has("arrive") {
                 bail!("bar.arrive is not modelled");
@@ -479,6 +487,51 @@ fn decode(cx: &mut FnCtx, opcode: &str, args: &str, labels: &HashMap<String, u32
             let op = mods.iter().find_map(|m| red_of(m)).ok_or_else(|| anyhow!("no reduction"))?;
             Op::Redux { op, ty: ty(0)?, d: cx.dreg(&ops[0])?, a: cx.opnd(&ops[1])?, mask: cx.opnd(&ops[2])? }
         }
+        "mma" => {
+            // one shape and type combination: the attention kernels' (kernels/mma.cuh)
+            if opcode != "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" {
+                bail!("only mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 is modelled");
+            }
+            need(4)?;
+            let regs = |s: &str, k: usize, cx: &mut FnCtx| -> Result<Vec<Opnd>> {
+                let items = vec_items(s).ok_or_else(|| anyhow!("expected a vector operand, found {s:?}"))?;
+                if items.len() != k {
+                    bail!("expected {k} registers in {s:?}");
+                }
+                items.iter().map(|x| cx.opnd(x)).collect()
+            };
+            let d = vec_items(&ops[0]).filter(|v| v.len() == 4).ok_or_else(|| anyhow!("expected 4 destination registers"))?;
+            let d = [cx.dreg(&d[0])?, cx.dreg(&d[1])?, cx.dreg(&d[2])?, cx.dreg(&d[3])?];
+            let (a, b, c) = (regs(&ops[1], 4, cx)?, regs(&ops[2], 2, cx)?, regs(&ops[3], 4, cx)?);
+            Op::Mma { d, a: [a[0], a[1], a[2], a[3]], b: [b[0], b[1]], c: [c[0], c[1], c[2], c[3]] }
+        }
+        "cp" => match mods {
+            ["async", "commit_group"] => {
+                need(0)?;
+                Op::CpAsyncCommit
+            }
+            ["async", "wait_group"] => {
+                need(1)?;
+                let n = parse_int(&ops[0]).filter(|&n| (0..=u32::MAX as i64).contains(&n)).ok_or_else(|| anyhow!("wait_group needs an immediate count"))?;
+                Op::CpAsyncWait { n: n as u32, all: false }
+            }
+            ["async", "wait_all"] => {
+                need(0)?;
+                Op::CpAsyncWait { n: 0, all: true }
+            }
+            ["async", level @ ("ca" | "cg"), "shared" | "shared::cta", "global"] => {
+                if n != 3 && n != 4 {
+                    bail!("expected [dst], [src], cp-size{{, src-size}} (cache hints and ignore-src are not modelled)");
+                }
+                let size = parse_int(&ops[2]).ok_or_else(|| anyhow!("cp-size must be an immediate"))?;
+                if !matches!(size, 4 | 8 | 16) || (*level == "cg" && size != 16) {
+                    bail!("cp-size {size} is not valid for cp.async.{level} (ca: 4, 8, 16; cg: 16)");
+                }
+                let src_size = if n == 4 { Some(cx.opnd(&ops[3])?) } else { None };
+                Op::CpAsync { dst: cx.addr(&ops[0])?, src: cx.addr(&ops[1])?, size: size as u32, src_size }
+            }
+            _ => bail!("this cp form is not modelled (only cp.async.{{ca,cg}}.shared.global, commit_group, wait_group, wait_all)"),
+        },
         _ => bail!("instruction is not modelled by the emulator"),
     })
 }

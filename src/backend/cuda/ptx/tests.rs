@@ -11,7 +11,7 @@ use anyhow::Result;
 const HEAD: &str = ".version 8.8\n.target sm_90\n.address_size 64\n";
 
 /// Load `body` (an entry's text) and run it on `block` threads of one CTA with `args`.
-fn run(body: &str, grid: u32, block: u32, args: &[KArg], gmem: &mut GlobalMem) -> Result<()> {
+pub(super) fn run(body: &str, grid: u32, block: u32, args: &[KArg], gmem: &mut GlobalMem) -> Result<()> {
     let text = format!("{HEAD}{body}");
     let p = Program::load(&[("t", &text)], gmem)?;
     let f = &p.modules[0].funcs[0];
@@ -20,7 +20,7 @@ fn run(body: &str, grid: u32, block: u32, args: &[KArg], gmem: &mut GlobalMem) -
     exec::run(f, &l, gmem).map(|_| ())
 }
 
-fn read_u32(gmem: &mut GlobalMem, a: u64, n: usize) -> Vec<u32> {
+pub(super) fn read_u32(gmem: &mut GlobalMem, a: u64, n: usize) -> Vec<u32> {
     gmem.slice(a, n * 4, "test").unwrap().chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
@@ -207,14 +207,14 @@ fn an_unsupported_instruction_fails_its_launch_by_name_and_line() {
 {
     .reg .b32 %r<12>;
     .reg .f32 %f<8>;
-    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f5, %f6, %f7, %f7};
+    mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2}, {%r5}, {%f5, %f6, %f7, %f7};
     ret;
 }
 "#;
     let mut g = GlobalMem::new();
     // the module loads (other entries stay usable); the launch says what and where
     let e = run(body, 1, 32, &[], &mut g).unwrap_err().to_string();
-    assert!(e.contains("kernel tc") && e.contains("PTX line 9") && e.contains("mma.sync.aligned.m16n8k16"), "{e}");
+    assert!(e.contains("kernel tc") && e.contains("PTX line 9") && e.contains("mma.sync.aligned.m16n8k8"), "{e}");
 }
 
 /// The interpreter's throughput on a real kernel (printed; the bound only catches a collapse).
