@@ -3,12 +3,13 @@
 //! the emulated device at three small sizes, fitted affine in the dimension the op scales with
 //! (tokens, rows, elements), checked on the third size, extrapolated to a call at the model's
 //! shape, and set against the H200's peaks: the time no implementation of that kernel can beat.
-//! Attention's tensor-core kernels run in the interpreter only with `mma.sync` (branch emu-mma);
-//! without it their rows come from the op's definition and say so. The GEMMs (cuBLASLt) are
-//! outside the table. Regenerate docs/KERNEL-BOUNDS.md with
+//! Attention (tensor cores) is measured per sequence of 512 (causal) or per decode row (context
+//! 2048) and scaled by the number of sequences; the op's definition is printed beside it (and
+//! used alone where the interpreter cannot run the kernel). The GEMMs (cuBLASLt) are outside the
+//! table. Regenerate docs/KERNEL-BOUNDS.md with
 //! `cargo test --release --features cuda --lib backend::cuda::bounds -- --ignored --nocapture`.
 use super::{CudaBackend, Dtype};
-use crate::backend::{AdamWStep, AttnGeom, Backend, SampleParams, TrainBackend};
+use crate::backend::{AdamWStep, AttnGeom, AttnSeq, Backend, DenseSeq, SampleParams, TrainBackend};
 use anyhow::Result;
 use std::fmt::Write as _;
 
@@ -268,6 +269,59 @@ fn measured(be: &CudaBackend, s: &Shape) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// Attention measured: sequences of `SEQ` tokens (dense forward / backward, paged prefill) or
+/// decode rows at `DECODE_CTX` (paged decode), fitted in the number of sequences.
+fn attention_measured(be: &CudaBackend, s: &Shape) -> Result<Vec<Row>> {
+    const SEQ: usize = 512;
+    let (hd, nq, nkv) = (s.head_dim, s.heads, s.kv_heads);
+    let qkv_w = (nq + 2 * nkv) * hd;
+    let g = AttnGeom { n_layers: 1, n_heads: nq, n_kv_heads: nkv, head_dim: hd, page_size: 16 };
+    let dense = move |n: usize| -> Vec<DenseSeq> { (0..n).map(|i| DenseSeq { row0: i * SEQ, len: SEQ }).collect() };
+    type Op = Box<dyn Fn(&CudaBackend, usize) -> Result<()>>;
+    let fwd: Op = Box::new(move |be, n| {
+        let qkv = be.upload_as(&vals(n * SEQ * qkv_w, 20), Dtype::Bf16)?;
+        let (mut out, mut lse) = (be.zeros(n * SEQ * nq * hd)?, be.zeros(n * SEQ * nq)?);
+        be.attn_dense(&qkv, &dense(n), g, &mut out, &mut lse)
+    });
+    let bwd: Op = Box::new(move |be, n| {
+        let qkv = be.upload_as(&vals(n * SEQ * qkv_w, 20), Dtype::Bf16)?;
+        let (mut out, mut lse) = (be.zeros(n * SEQ * nq * hd)?, be.zeros(n * SEQ * nq)?);
+        be.attn_dense(&qkv, &dense(n), g, &mut out, &mut lse)?;
+        let dout = be.upload_as(&vals(n * SEQ * nq * hd, 21), Dtype::F32)?;
+        let mut dqkv = be.zeros(n * SEQ * qkv_w)?;
+        be.emulator_reset_counters(); // the forward above is setup
+        be.attn_dense_bwd(&qkv, &out, &dout, &lse, &dense(n), g, &mut dqkv)
+    });
+    // paged: the context stored first (setup), then the attention call measured
+    let paged = move |be: &CudaBackend, n: usize, n_q: usize, ctx: usize| -> Result<()> {
+        let pages_per = ctx.div_ceil(16);
+        let mut kv = be.kv_new(g, n * pages_per)?;
+        let ctx_qkv = be.upload_as(&vals(n * ctx * qkv_w, 22), Dtype::F32)?;
+        let slots: Vec<u32> = (0..(n * ctx) as u32).map(|t| (t as usize / ctx * pages_per * 16 + t as usize % ctx) as u32).collect();
+        be.kv_store(&mut kv, 0, &ctx_qkv, &slots, g)?;
+        let pages: Vec<Vec<u32>> = (0..n).map(|i| ((i * pages_per) as u32..((i + 1) * pages_per) as u32).collect()).collect();
+        let seqs: Vec<AttnSeq> = (0..n).map(|i| AttnSeq { q_row: i * n_q, n_q, ctx_len: ctx, pages: &pages[i], sampled: n_q == 1 }).collect();
+        let q = be.upload_as(&vals(n * n_q * qkv_w, 23), Dtype::Bf16)?;
+        let mut out = be.zeros(n * n_q * nq * hd)?;
+        be.emulator_reset_counters();
+        be.attention(&kv, 0, &q, &seqs, g, &mut out)
+    };
+    let prefill: Op = Box::new(move |be, n| paged(be, n, SEQ, SEQ));
+    let decode: Op = Box::new(move |be, n| paged(be, n, 1, DECODE_CTX));
+    let mut rows = Vec::new();
+    for (family, call, op, target) in [
+        ("attention: dense fwd", format!("8 seq × {SEQ} causal"), fwd, 8),
+        ("attention: dense bwd", format!("8 seq × {SEQ} causal"), bwd, 8),
+        ("attention: paged prefill", format!("8 seq × {SEQ} causal"), prefill, 8),
+        ("attention: paged decode", format!("{DECODE_ROWS} seq × 1 tok, ctx {DECODE_CTX}"), decode, DECODE_ROWS),
+    ] {
+        let sizes = [1, 2, 3];
+        let (cost, miss, names) = extrapolate(be, &*op, sizes, target)?;
+        rows.push(Row { family, call, cost, how: format!("measured at {sizes:?} seq, affine fit off by {:.2}% at the third; kernels {}", 100.0 * miss, names.join(", ")) });
+    }
+    Ok(rows)
+}
+
 /// Attention from the op's definition (bf16 Q/K/V/O; causal prefill: half of the L×L scores;
 /// forward 2 matmuls QKᵀ and PV, backward 5: QKᵀ again, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K,
 /// dK = dSᵀ·Q; exp per score on the SFU). Sequences of `TOKENS` = 8 × 512.
@@ -304,7 +358,19 @@ fn table(be: &CudaBackend) -> Result<String> {
     writeln!(s, "|---|---|---|---|---|---|---|---|---|").unwrap();
     for m in &MODELS {
         let mut rows = measured(be, m)?;
-        rows.extend(attention_by_definition(m));
+        let runs = ["attention_hd64_bf16", "attn_dense_fwd_hd64", "attn_dense_dq_hd64"].iter().all(|k| be.emulator_unsupported(k).is_none());
+        if runs {
+            rows.extend(attention_measured(be, m)?);
+        }
+        rows.extend(attention_by_definition(m).into_iter().map(|mut r| {
+            r.family = match r.family {
+                "attention: dense fwd" => "attention: dense fwd (definition)",
+                "attention: dense bwd" => "attention: dense bwd (definition)",
+                "attention: paged prefill" => "attention: paged prefill (definition)",
+                _ => "attention: paged decode (definition)",
+            };
+            r
+        }));
         for r in rows {
             let (t, by) = r.cost.bound();
             writeln!(
