@@ -11,14 +11,17 @@
 # (every step's output, streamed as it runs), at most 8 files in all:
 #   tools/gpu-check.sh contact     <= 4 min. The environment (driver, CUDA, which libcuda and
 #                                  libcublasLt were loaded and from where, free memory, the
-#                                  allocator in use), then every CUDA parity test, inference and
+#                                  allocator in use), then the conformance probes (ex2/rcp.approx,
+#                                  rcp.rn, bf16 conversions, one mma.sync tile: the GPU against the
+#                                  emulator's models, every difference listed), then every CUDA parity test, inference and
 #                                  training (failures rerun alone to tell them from collateral),
 #                                  then compute-sanitizer memcheck and racecheck on the paged- and
 #                                  dense-attention tests where it exists, then the plain-allocation
 #                                  fallback (the device report, a whole model, the allocator test),
 #                                  then, while time is left, compute-sanitizer on Qwen3's q/k-norm
 #                                  RoPE kernels (forward and backward tests).
-#                                  Files: summary.md log.txt steps.jsonl meta.json device.json.
+#                                  Files: summary.md log.txt steps.jsonl meta.json device.json
+#                                  conformance.json.
 #                                  Exit 0 only if every parity test passed in the one process.
 #   tools/gpu-check.sh bench       <= 5 min. Ours vs PyTorch + transformers (SDPA) + PEFT on the
 #                                  same GPU and the same random weights, shape by shape in this
@@ -233,6 +236,11 @@ contact() {
   STEP_STDOUT="$OUT/device.json" step device 60 "$BIN" device --json
 
   local status=0 suite=cuda_parity
+  # first the conformance probes: the GPU's ex2/rcp/bf16-conversion/mma results against the
+  # emulator's models (bit for bit where a model claims exactness, within the ISA bounds
+  # elsewhere); the differences calibrate the emulator and the parity bounds built on it
+  step conformance 40 env INFOMEM_REQUIRE_CUDA=1 INFOMEM_CONFORMANCE_OUT="$OUT/conformance.json" \
+    "$BUNDLE/$suite" conformance::gpu_matches_the_emulator_models --exact --test-threads=1 --nocapture || status=1
   step "list:$suite" 20 "$BUNDLE/$suite" --list
   # one process for every family's tests, inference and training (the fast path), one thread,
   # the tests' measurements shown

@@ -17,6 +17,7 @@ What a stage leaves in OUT (at most 8 files come back from the GPU machine):
     steps.jsonl   {"event": "start"|"end"|"skip", "step": NAME, ...} per step, as it happens
     log.txt       every step's output, streamed, after a "===== step NAME ... =====" header
     device.json   (contact) `infomem-engine device --json`
+    conformance.json (contact) the conformance probes' inputs and both devices' results
     bench.jsonl   (bench) one line per model ({"shape", "config"}) and per measurement
     metrics.jsonl (train) the training run's per-step metrics
 """
@@ -315,6 +316,34 @@ def contact_sanitizer(doc, out, meta):
             doc.add(f"| {tool} | {test} | {st['status']} | {md_cell(why or step_status(st))} |")
 
 
+CONF_TALLY = re.compile(r"^(\S+)\s+(\d+) inputs: (\d+) equal, (\d+) NaN bits differ, (\d+) within bound, (\d+) violations$", re.M)
+
+
+def contact_conformance(doc, out):
+    steps = steps_table(out)
+    if "conformance" not in steps:
+        doc.add("The conformance probes did not run.")
+        return
+    text = log_sections(out).get("conformance", "")
+    doc.add(f"Step: {step_status(steps['conformance'])}. GPU results against the emulator's models "
+            "(src/backend/cuda/conformance.rs: exact claims bit for bit, approximations within the PTX ISA bounds).", "")
+    rows = CONF_TALLY.findall(text)
+    if rows:
+        doc.add("| probe | inputs | equal | NaN bits differ | within bound | violations |", "|---|---|---|---|---|---|")
+        for r in rows:
+            doc.add(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {'**' + r[5] + '**' if r[5] != '0' else '0'} |")
+        doc.add("")
+    for l in text.splitlines():
+        if l.startswith("conformance, mma.sync") or l.startswith("conformance: the emulator cannot run"):
+            doc.add(f"- {l[len('conformance, '):] if l.startswith('conformance, ') else l}")
+    viol = [l.strip() for l in text.splitlines() if "VIOLATION" in l]
+    within = [l.strip() for l in text.splitlines() if l.strip().startswith(("within bound:", "NaN bits differ:", "mma D["))]
+    for title, ls in (("Violations", viol), ("Other differences (first 8)", within)):
+        if ls:
+            doc.add("", f"{title}:", "")
+            doc.add(*[f"- {md_cell(l)}" for l in ls[:8]])
+
+
 def contact_verdict(out):
     sections, steps = log_sections(out), steps_table(out)
     suites = [n[len("parity:"):] for n in steps if n.startswith("parity:")]
@@ -349,6 +378,7 @@ def contact(out):
     except Exception as e:  # noqa: BLE001
         doc.add(f"(no verdict: {type(e).__name__}: {e})", "")
     doc.section("Environment", contact_env, out, meta)
+    doc.section("Conformance probes (GPU vs the emulator's models)", contact_conformance, out)
     doc.section("CUDA parity tests (inference and training)", contact_tests, out)
     doc.section("compute-sanitizer on the attention and q/k-norm RoPE kernels", contact_sanitizer, out, meta)
     doc.section("Steps (in order)", steps_section, out)

@@ -23,6 +23,7 @@ mod common;
 mod attention;
 mod attention_dense;
 mod cli_e2e;
+mod conformance;
 mod device;
 mod footprint;
 mod gemm;

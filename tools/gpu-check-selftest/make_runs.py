@@ -87,11 +87,22 @@ def san(tool, errors):
 # ---- contact: everything passes
 PAGED, DENSE = "attention::paged_attention_mixed_batch", "attention_dense::dense_attention_forward_and_backward"
 r = Run("contact-pass", "contact", {"contains": [f"PASS: {N} of {N} parity tests", "NVIDIA H200", "libcublasLt.so.13", "| allocator | pool |",
-        f"| memcheck | {PAGED} | clean |", f"| racecheck | {DENSE} | clean |", f"**{N} of {N} passed**"],
+        f"| memcheck | {PAGED} | clean |", f"| racecheck | {DENSE} | clean |", f"**{N} of {N} passed**",
+        "| ex2.approx.f32 | 245 | 212 | 1 | 32 | 0 |", "| cvt.rn.bf16.f32 | 245 | 243 | 2 | 0 | 0 |",
+        "mma.sync m16n8k16 bf16: 96/128 equal to the exact result", "within bound: ex2.approx.f32 of 0x3f000000"],
         "absent": ["FAIL", "INCOMPLETE"], "failed_tests": {"parity:cuda_parity": []}})
 r.meta(tools={"compute-sanitizer": "Version 2025.3.1.0 (build 36398583) (public-release)"})
 r.file("device.json", json.dumps(DEVICE) + "\n")
 r.step("device", 60, json.dumps(DEVICE) + "\n", secs=2)
+# the conformance probes' report (the format of src/backend/cuda/conformance.rs::report)
+CONF = "".join(f"{p:<20} 245 inputs: {e} equal, {nb} NaN bits differ, {w} within bound, 0 violations\n" for p, e, nb, w in
+               [("ex2.approx.f32", 212, 1, 32), ("ex2.approx.ftz.f32", 214, 1, 30), ("rcp.approx.f32", 240, 0, 5),
+                ("rcp.rn.f32", 245, 0, 0), ("cvt.rn.bf16.f32", 243, 2, 0), ("cvt.f32.bf16", 245, 0, 0)])
+CONF += ("  within bound: ex2.approx.f32 of 0x3f000000 (5e-1): device 0x3fb504f4, reference 0x3fb504f3, 1 ulp\n"
+         "  NaN bits differ: cvt.rn.bf16.f32 of 0x7fc00001: device 0x00007fff, reference 0x00007fc0\n")
+r.step("conformance", 40, "\nrunning 1 test\nconformance, scalar probes, GPU vs emulator:\n" + CONF
+       + "conformance, mma.sync m16n8k16 bf16: 96/128 equal to the exact result rounded once, 128/128 bit-equal to the reference, 0 outside the bound 17·2^-23·Σ|terms|\n"
+       + "test conformance::gpu_matches_the_emulator_models ... ok\n\ntest result: ok. 1 passed; 0 failed\n", secs=2)
 r.step("list:cuda_parity", 20, listing(TESTS), secs=0)
 r.step("parity:cuda_parity", 200, suite_ok(TESTS, extra={PAGED: "attention hd64: max |Δ| 3.1e-3\n"}), secs=78)
 r.step(f"memcheck:{PAGED}", 45, san("memcheck", 0).replace("paged_attention_mixed_batch", PAGED), secs=20)
@@ -105,7 +116,7 @@ r.close()
 # ends the process before the rest; memcheck finds the fault; the budget runs out
 r = Run("contact-fail", "contact", {"contains": [f"FAIL: 2 of {N} parity tests failed", f"compute-sanitizer findings in memcheck:{PAGED}",
         "passed when run alone: collateral", "attention hd64: element 77: got nan want 0.25", "**1 error**", "Invalid __global__ read",
-        "did not finish or were not reached", f"`racecheck:{PAGED}`: skipped", "killed by signal 11"],
+        "did not finish or were not reached", f"`racecheck:{PAGED}`: skipped", "killed by signal 11", "The conformance probes did not run."],
         "absent": ["PASS"],
         "failed_tests": {"parity:cuda_parity": TESTS[:3] + TESTS[12:]}})
 r.meta(tools={"compute-sanitizer": "Version 2025.3.1.0"})

@@ -102,6 +102,7 @@ pub(super) const KERNEL_NAMES: &[(&str, &[&str])] = &[
     super::logprob::KERNELS,
     super::sample::KERNELS,
     super::optim::KERNELS,
+    super::conformance::KERNELS,
 ];
 
 /// Whether the NVIDIA driver library loads and reports at least one device. Never panics.
@@ -192,6 +193,18 @@ impl CudaBackend {
     /// Interpreter statistics when this backend runs on the emulated device.
     pub fn emulator_stats(&self) -> Option<super::emulated::EmuStats> {
         self.emu.as_ref().map(|e| e.stats())
+    }
+
+    /// Per-kernel counters of the emulated device's launches (`ptx::counters`) since the last
+    /// reset; None on a real device.
+    pub fn emulator_counters(&self) -> Option<std::collections::BTreeMap<String, super::emulated::KernelCounters>> {
+        self.emu.as_ref().map(|e| e.counters())
+    }
+
+    pub fn emulator_reset_counters(&self) {
+        if let Some(e) = &self.emu {
+            e.reset_counters();
+        }
     }
 
     /// Why kernel `name` cannot run on the emulated device (outside the interpreter's subset).

@@ -10,10 +10,10 @@
 use super::alloc::DeviceAlloc;
 use super::emulated_gemm;
 use super::gemm::{describe, GemmArgs};
-use super::ptx::{self, mem::GlobalMem};
+use super::ptx::{self, counters::Counters, mem::GlobalMem};
 use super::seam::{DevMemInfo, Device, KArg};
 use anyhow::{bail, Context, Result};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -35,6 +35,41 @@ pub struct EmuDevice {
     thread_insts: AtomicU64,
     nanos: AtomicU64,
     launches: AtomicU64,
+    /// Per kernel name: what its launches did (`ptx::counters`), since the last reset.
+    counters: Mutex<BTreeMap<String, KernelCounters>>,
+}
+
+/// The counters of one kernel's launches, summed.
+#[derive(Clone, Debug, Default)]
+pub struct KernelCounters {
+    pub launches: u64,
+    pub counters: Counters,
+}
+
+/// A per-kernel counter snapshot as a text table (one line per kernel).
+pub fn counters_table(snap: &BTreeMap<String, KernelCounters>) -> String {
+    let mut s = format!(
+        "{:<34} {:>8} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9} {:>10} {:>8}\n",
+        "kernel", "launches", "warp issues", "global B", "HBM B (min)", "shared B", "sect/req", "ideal", "bank confl", "mma"
+    );
+    for (name, k) in snap {
+        let c = &k.counters;
+        let g = ptx::counters::Traffic::ALL.iter().filter(|t| t.name().starts_with("global")).map(|&t| c.bytes_of(t)).sum::<u64>();
+        let sh = ptx::counters::Traffic::ALL.iter().filter(|t| t.name().starts_with("shared")).map(|&t| c.bytes_of(t)).sum::<u64>();
+        let (req, act, ideal) = (c.global_ld.requests + c.global_st.requests, c.global_ld.actual + c.global_st.actual, c.global_ld.ideal + c.global_st.ideal);
+        let per = |x: u64| if req == 0 { "-".to_string() } else { format!("{:.2}", x as f64 / req as f64) };
+        s += &format!(
+            "{name:<34} {:>8} {:>12} {g:>12} {:>12} {sh:>12} {:>9} {:>9} {:>10} {:>8}\n",
+            k.launches,
+            c.warp_insts,
+            c.hbm_bytes(),
+            per(act),
+            per(ideal),
+            c.bank_conflicts(),
+            c.mma
+        );
+    }
+    s
 }
 
 /// Interpreter throughput so far (for the speed report of the tests).
@@ -63,6 +98,7 @@ impl EmuDevice {
             thread_insts: AtomicU64::new(0),
             nanos: AtomicU64::new(0),
             launches: AtomicU64::new(0),
+            counters: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -72,6 +108,15 @@ impl EmuDevice {
             thread_insts: self.thread_insts.load(Ordering::Relaxed),
             seconds: self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
         }
+    }
+
+    /// What each kernel's launches did since the last `reset_counters` (or the start).
+    pub fn counters(&self) -> BTreeMap<String, KernelCounters> {
+        self.counters.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn reset_counters(&self) {
+        self.counters.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>> {
@@ -173,6 +218,10 @@ impl Device for EmuDevice {
         self.nanos.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.thread_insts.fetch_add(st.thread_insts, Ordering::Relaxed);
         self.launches.fetch_add(1, Ordering::Relaxed);
+        let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        let k = c.entry(name.to_string()).or_default();
+        k.launches += 1;
+        k.counters.add(&st.counters);
         Ok(())
     }
     /// cuBLASLt's matmul on `describe`'s layouts: `emulated_gemm` (its summation model and what

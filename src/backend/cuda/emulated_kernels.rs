@@ -29,6 +29,8 @@ fn vals(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Since the interpreter models `mma.sync` and `cp.async` (issue 54, branch emu-mma), every
+/// kernel decodes, the tensor-core ones included.
 #[test]
 fn every_kernel_decodes() {
     let Some(be) = emulated() else { return };

@@ -78,6 +78,9 @@ macro_rules! launch_dyn {
 pub mod alloc;
 pub mod attention;
 pub mod attention_dense;
+#[cfg(test)]
+mod bounds;
+pub mod conformance;
 pub mod device;
 #[cfg(test)]
 pub(crate) mod emulate;

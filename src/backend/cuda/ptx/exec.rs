@@ -16,6 +16,7 @@
 //!
 //! Registers: `[warp][register][lane]` u64 slots, each holding its value's bits zero-extended.
 use super::alu::{binary, compare, convert, sext, unary};
+use super::counters::{Counters, Pending};
 use super::cp_async::{self, AsyncCopies};
 use super::float::{self, mask};
 use super::mem::{self, GlobalMem, RaceDetector, Window};
@@ -40,10 +41,12 @@ pub struct Launch<'a> {
 /// The default runaway budget: minutes of interpretation, far above any test's launch.
 pub const MAX_THREAD_INSTS: u64 = 20_000_000_000;
 
-#[derive(Default, Clone, Copy, Debug)]
+#[derive(Default, Clone, Debug)]
 pub struct Stats {
     /// Instructions issued × lanes executing them.
     pub thread_insts: u64,
+    /// What the launch did (`counters.rs`).
+    pub counters: Counters,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -77,6 +80,10 @@ struct Cta<'a> {
     /// bar.red predicate of each waiting thread.
     bar_pred: Vec<bool>,
     stats: Stats,
+    /// The current memory instruction's lane accesses, and the launch's distinct global
+    /// sectors (read, written), for the counters.
+    pending: Pending,
+    hbm: (std::collections::HashSet<u64>, std::collections::HashSet<u64>),
 }
 
 /// Run every CTA of the launch.
@@ -98,6 +105,8 @@ pub fn run(f: &Func, l: &Launch, gmem: &mut GlobalMem) -> Result<Stats> {
         global_writes: std::collections::HashMap::new(),
         bar_pred: vec![false; nw * 32],
         stats: Stats::default(),
+        pending: Pending::default(),
+        hbm: Default::default(),
     };
     for b in 0..l.grid {
         cta.block = b;
@@ -109,6 +118,8 @@ pub fn run(f: &Func, l: &Launch, gmem: &mut GlobalMem) -> Result<Stats> {
         cta.cp.reset();
         cta.run_block(gmem)?;
     }
+    cta.stats.counters.hbm_read_sectors = cta.hbm.0.len() as u64;
+    cta.stats.counters.hbm_write_sectors = cta.hbm.1.len() as u64;
     Ok(cta.stats)
 }
 
@@ -280,6 +291,7 @@ impl Cta<'_> {
                     }
                 };
                 self.stats.thread_insts += exec.count_ones() as u64;
+                self.stats.counters.issue(&inst.op, exec);
                 if self.stats.thread_insts > self.l.max_thread_insts {
                     bail!("emulated device: {}: the launch ran past {} thread-instructions (a loop that does not end?)", self.where_(inst, w, lanes(m).next().unwrap_or(0)), self.l.max_thread_insts);
                 }
@@ -323,6 +335,8 @@ impl Cta<'_> {
                     op => {
                         if exec != 0 {
                             self.exec(w, inst, op, exec, gmem)?;
+                            // a memory instruction's lanes are one request
+                            self.pending.flush(op, &mut self.stats.counters, &mut self.hbm);
                         }
                     }
                 }
@@ -742,6 +756,7 @@ impl Cta<'_> {
             (Space::Generic, Window::Global(a)) => (Space::Global, a),
             (s, _) => (s, addr),
         };
+        self.pending.push(space, off, n);
         match space {
             Space::Global | Space::Const => {
                 if self.l.race_check {

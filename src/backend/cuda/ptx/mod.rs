@@ -8,8 +8,11 @@
 //! approximate instructions, with their error bounds), `exec.rs` (warps, barriers, memory
 //! instructions), `alu.rs` (per-lane arithmetic), `launch.rs` (launch validation), `mma.rs`
 //! (the tensor-core instruction: fragment layouts and arithmetic model), `cp_async.rs` (the
-//! asynchronous copies in flight per thread). cuBLASLt lives in the emulated device, not here.
+//! asynchronous copies in flight per thread), `counters.rs` (what a launch did: issues, bytes
+//! per state space, coalescing, bank conflicts, flops). cuBLASLt lives in the emulated device,
+//! not here.
 pub mod alu;
+pub mod counters;
 pub mod cp_async;
 pub mod exec;
 pub mod float;
@@ -57,5 +60,7 @@ impl Program {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod counters_tests;
 #[cfg(test)]
 mod tests_mma_cp;
