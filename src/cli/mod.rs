@@ -26,6 +26,7 @@ pub enum BackendKind {
 }
 
 /// The environment variable that opts `--backend cuda` into the emulated device (`open_cuda`).
+#[cfg(feature = "cuda")]
 pub const CUDA_EMULATE_ENV: &str = "INFOMEM_CUDA_EMULATE";
 
 /// The CUDA backend on device `ordinal`, or — with INFOMEM_CUDA_EMULATE=1, an explicit opt-in

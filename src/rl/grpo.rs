@@ -371,30 +371,16 @@ fn known_keys(obj: &serde_json::Map<String, Value>, known: &[&str], what: &str) 
     Ok(())
 }
 
-/// Refuse an unknown key of `obj` that is a near miss of a known one (at most 2 edits, case and
-/// `-`/`_` ignored): a misspelling, whose value would otherwise be dropped in silence.
+/// Refuse an unknown key of `obj` that is a near miss of a known one (`data::keys::near_miss`:
+/// case, `-` and `_` ignored, a few edits): a misspelling, whose value would otherwise be
+/// dropped in silence.
 fn near_miss_keys(obj: &serde_json::Map<String, Value>, known: &[&str], what: &str) -> Result<()> {
-    let norm = |s: &str| s.to_ascii_lowercase().replace('-', "_");
-    for k in obj.keys().filter(|k| !known.contains(&k.as_str())) {
-        if let Some(m) = known.iter().find(|m| edit_distance(&norm(k), m) <= 2) {
+    for k in obj.keys() {
+        if let Some(m) = crate::data::keys::near_miss(k, known) {
             bail!("{what} has an unknown key {k:?}; did you mean {m:?}? (known: {})", known.join(", "));
         }
     }
     Ok(())
-}
-
-/// Levenshtein distance (bytes), for the short key names above.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, &x) in a.iter().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, &y) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(x != y)).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 /// Parse and validate a GRPO batch file against a vocabulary of `vocab` ids. Errors name the
