@@ -169,3 +169,32 @@ fn seeds_reproduce_independently_of_the_batch() {
     let all = |g: &Vec<Vec<Trajectory>>| g.iter().flatten().flat_map(|t| t.turns.iter().map(|c| c.conv.response.clone())).collect::<Vec<_>>();
     assert_ne!(all(&a), all(&d));
 }
+
+/// With a keep action, every update records whether it kept the memory, and a kept memory is the
+/// one before it; without one, nothing is recorded.
+#[test]
+fn keep_action_records_one_decision_per_update() {
+    let (_t, dir) = tiny_with_tokenizer("qwen2");
+    let m = Model::load(&dir, CpuBackend::new()).unwrap();
+    let qs = queries();
+    let c = cfg(true, 2, 1.0);
+    let mut t = Templates::default();
+    t.update.push_str(" If nothing is new, reply KEEP.");
+    t.keep = Some("KEEP".into());
+    t.validate().unwrap();
+    let mut kv = runtime::kv_for(&m, 200_000).unwrap();
+    let (trajs, _) = rollout(&m, &mut kv, &qs, &c, &t, |_, _| {}).unwrap();
+    for tr in trajs.iter().flatten() {
+        let updates = tr.turns.iter().filter(|x| x.kind == ConvKind::Update).count();
+        assert!(updates > 0);
+        assert_eq!((tr.kept.len(), tr.memories.len()), (updates, updates), "{}", tr.query_id);
+        for (i, &k) in tr.kept.iter().enumerate() {
+            let before = if i == 0 { t.empty_memory.as_str() } else { tr.memories[i - 1].as_str() };
+            if k {
+                assert_eq!(tr.memories[i], before);
+            }
+        }
+    }
+    let (plain, _) = run(&m, &qs, &c);
+    assert!(plain.iter().flatten().all(|tr| tr.kept.is_empty()));
+}

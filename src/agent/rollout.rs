@@ -14,7 +14,7 @@
 //!
 //! [`rollout`] lists the phases; each is a function below, in the order they run.
 use super::budget::Budget;
-use super::templates::{PromptPlan, Templates};
+use super::templates::{is_keep, PromptPlan, Templates};
 use super::trajectory::{ConvKind, Conversation, Trajectory, Turn};
 use crate::backend::{Backend, SampleParams};
 use crate::data::QaRecord;
@@ -577,14 +577,29 @@ fn judge_answer(cfg: &AgentConfig, traj: &mut Trajectory, reply: String, golds: 
     traj.outcome = outcome::score(cfg.matcher, &traj.answer, golds).round();
 }
 
-/// An update's reply becomes the next memory (the empty-memory text when it is blank).
+/// An update's reply becomes the next memory (the empty-memory text when it is blank), unless it
+/// is the templates' keep word: then the memory stays as it was (docs/DESIGN.md §1.1).
 fn take_memory<B: Backend>(cx: &Ctx<B>, s: &mut State, reply: &str, golds: &[String]) -> Result<()> {
-    let mem = reply.trim();
-    s.mem_text = if mem.is_empty() { cx.templates.empty_memory.clone() } else { mem.to_string() };
-    s.mem_ids = cx.tok.encode(&s.mem_text)?;
+    let (mem, kept) = next_memory(cx.templates, &s.mem_text, reply);
+    if cx.templates.keep.is_some() {
+        s.traj.kept.push(kept);
+    }
+    if !kept {
+        s.mem_ids = cx.tok.encode(&mem)?;
+        s.mem_text = mem;
+    }
     s.traj.memories.push(s.mem_text.clone());
     s.traj.recall.push(outcome::word_recall(&s.mem_text, golds));
     Ok(())
+}
+
+/// The memory after an update: `(M_t, kept)` from `M_{t−1}` and the reply.
+pub fn next_memory(templates: &Templates, current: &str, reply: &str) -> (String, bool) {
+    if templates.keep.as_deref().is_some_and(|w| is_keep(reply, w)) {
+        return (current.to_string(), true);
+    }
+    let mem = reply.trim();
+    (if mem.is_empty() { templates.empty_memory.clone() } else { mem.to_string() }, false)
 }
 
 /// One scoring pass for the step: the gains of the answers, then (with `memory_curve`) the curve
@@ -703,5 +718,21 @@ fn record_scores(states: &mut [Vec<State>], empty: &[EmptyScores], tags: Vec<Sco
 fn release_all<B: Backend>(cx: &Ctx<B>, kv: &mut KvCache<B>, seqs: Vec<Option<Seq>>) {
     for s in seqs.into_iter().flatten() {
         kv.release(&cx.model.be, s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_leaves_the_memory_and_a_rewrite_replaces_it() {
+        let mut t = Templates::default();
+        assert_eq!(next_memory(&t, "old", " KEEP "), ("KEEP".to_string(), false), "no keep action: the reply is the memory");
+        assert_eq!(next_memory(&t, "old", "  \n"), (t.empty_memory.clone(), false));
+        t.keep = Some("KEEP".into());
+        assert_eq!(next_memory(&t, "The code of Ana is 12345.", "keep."), ("The code of Ana is 12345.".to_string(), true));
+        assert_eq!(next_memory(&t, "old", "KEEP the old notes"), ("KEEP the old notes".to_string(), false));
+        assert_eq!(next_memory(&t, "old", "new notes"), ("new notes".to_string(), false));
     }
 }

@@ -23,6 +23,10 @@ pub struct Templates {
     pub final_: String,
     #[serde(default = "default_empty")]
     pub empty_memory: String,
+    /// The keep action: an update reply whose first line is this word (case, surrounding spaces
+    /// and a final `.` ignored) leaves the memory as it was. The update template must offer it.
+    #[serde(default)]
+    pub keep: Option<String>,
 }
 
 fn default_empty() -> String {
@@ -31,7 +35,7 @@ fn default_empty() -> String {
 
 impl Default for Templates {
     fn default() -> Self {
-        Templates { update: DEFAULT_UPDATE.into(), final_: DEFAULT_FINAL.into(), empty_memory: DEFAULT_EMPTY_MEMORY.into() }
+        Templates { update: DEFAULT_UPDATE.into(), final_: DEFAULT_FINAL.into(), empty_memory: DEFAULT_EMPTY_MEMORY.into(), keep: None }
     }
 }
 
@@ -88,12 +92,29 @@ impl Templates {
         if self.empty_memory.trim().is_empty() {
             bail!("empty_memory must be a non-empty text (the model reads it as the initial memory)");
         }
+        if let Some(k) = &self.keep {
+            let w = k.trim();
+            if w.is_empty() || w.len() > 32 || w.contains('\n') || w.ends_with('.') {
+                bail!("keep must be a short one-line word the model replies with (at most 32 bytes, no final `.`), got {k:?}");
+            }
+            if !self.update.contains(w) {
+                bail!("keep = {w:?}, but the update template never mentions {w:?}: the model would not know the keep action exists");
+            }
+        }
         Ok(())
     }
 }
 
+/// Whether an update `reply` is the keep action `word`: its first non-blank line, trimmed and
+/// without one final `.`, equals `word` ignoring ASCII case.
+pub fn is_keep(reply: &str, word: &str) -> bool {
+    let Some(line) = reply.lines().map(str::trim).find(|l| !l.is_empty()) else { return false };
+    let line = line.strip_suffix('.').unwrap_or(line).trim_end();
+    line.eq_ignore_ascii_case(word.trim())
+}
+
 /// The keys of a templates file.
-const KEYS: [&str; 3] = ["update", "final", "empty_memory"];
+const KEYS: [&str; 4] = ["update", "final", "empty_memory", "keep"];
 
 /// Largest templates file read: a prompt template of more than 1 MiB is not one.
 const MAX_TEMPLATES_BYTES: u64 = 1 << 20;
@@ -214,5 +235,25 @@ mod tests {
         assert_eq!(placeholders("a {b} {c d} {_e}{f}} {{g}} {"), vec!["b", "_e", "f", "g"]);
         // the shipped example still loads
         Templates::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/demo-templates.toml")).unwrap();
+    }
+
+    #[test]
+    fn keep_action() {
+        for yes in ["KEEP", " keep.\n", "\n\nKeep", "KEEP\nthe notes so far"] {
+            assert!(is_keep(yes, "KEEP"), "{yes:?}");
+        }
+        for no in ["", "KEEP the notes", "I KEEP", "KEEP..", "The code of Ana is 12345. KEEP"] {
+            assert!(!is_keep(no, "KEEP"), "{no:?}");
+        }
+        let mut t = Templates::default();
+        t.keep = Some("KEEP".into());
+        let e = t.validate().unwrap_err().to_string();
+        assert!(e.contains("never mentions"), "{e}");
+        t.update.push_str(" If the section adds nothing, reply KEEP.");
+        t.validate().unwrap();
+        for bad in ["", "  ", "KEEP.", "a\nb"] {
+            t.keep = Some(bad.into());
+            assert!(t.validate().is_err(), "{bad:?}");
+        }
     }
 }

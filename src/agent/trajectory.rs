@@ -105,6 +105,10 @@ pub struct Trajectory {
     pub turns: Vec<Turn>,
     /// `M_1 .. M_K` as text.
     pub memories: Vec<String>,
+    /// Per update: whether the reply was the templates' keep word, so `M_t = M_{t−1}` (empty
+    /// when the templates define no keep action).
+    #[serde(default)]
+    pub kept: Vec<bool>,
     pub raw_answer: String,
     pub answer: String,
     pub em: f64,
@@ -136,6 +140,7 @@ impl Trajectory {
             rollout,
             turns: vec![],
             memories: vec![],
+            kept: vec![],
             raw_answer: String::new(),
             answer: String::new(),
             em: 0.0,

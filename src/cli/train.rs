@@ -179,6 +179,9 @@ pub struct TrainArgs {
     /// Steps of linear learning-rate warm-up (default 2).
     #[arg(long)]
     pub warmup_steps: Option<usize>,
+    /// Order of the training records: a seeded shuffle every pass, or the file's order (a length curriculum: short documents first) (default shuffled).
+    #[arg(long, value_enum)]
+    pub data_order: Option<infomem_engine::rl::trainer::DataOrder>,
     /// Learning rate after the warm-up: constant, or a cosine decay toward 10% of --lr (default constant).
     #[arg(long, value_enum)]
     pub schedule: Option<infomem_engine::rl::trainer::Schedule>,
@@ -222,7 +225,7 @@ impl TrainArgs {
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone().into(); explicit.insert(stringify!($f).to_string()); } )* };
         }
-        set!(steps, queries_per_step, group_size, chunk_tokens, memory_tokens, answer_tokens, temperature, top_p, extract, matcher, reward, beta,
+        set!(data_order, steps, queries_per_step, group_size, chunk_tokens, memory_tokens, answer_tokens, temperature, top_p, extract, matcher, reward, beta,
              adv_norm, clip_low, clip_high, kl_coef, lr, warmup_steps, schedule, weight_decay, grad_clip, micro_batch_tokens, max_batch_tokens,
              save_every, keep_checkpoints, seed, lora_r, lora_alpha, lora_targets);
         if let Some(d) = self.dtype {

@@ -40,6 +40,9 @@ pub struct EvalRow {
     /// before it was recorded.
     #[serde(default)]
     pub capture: Option<CaptureRow>,
+    /// Share of memory updates answered with the keep action (templates with `keep` only).
+    #[serde(default)]
+    pub keep_share: Option<f64>,
 }
 
 /// Length buckets for documents of measured (unpadded) lengths: sorted, a bucket grows while a
@@ -131,14 +134,26 @@ fn row(task: String, length: usize, its: &[&Evaluated]) -> EvalRow {
         memory_curve,
         lost_after_peak,
         capture: capture::row(&its.iter().map(|it| capture::Item { capture: &it.capture, em: it.traj.em, planted_chunk: it.planted_chunk }).collect::<Vec<_>>()),
+        keep_share: {
+            let (k, u) = ts.iter().fold((0, 0), |(k, u), t| (k + t.kept.iter().filter(|&&x| x).count(), u + t.kept.len()));
+            if u == 0 { None } else { Some(k as f64 / u as f64) }
+        },
     }
 }
 
 pub fn markdown_table(rows: &[EvalRow]) -> String {
-    let mut s = String::from("| task | length (tokens) | n | em | sub_em | f1 | mean gain | lost after peak |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    // the keep column only where the templates had a keep action
+    let keeps = rows.iter().any(|r| r.keep_share.is_some());
+    let mut s = String::from("| task | length (tokens) | n | em | sub_em | f1 | mean gain | lost after peak |");
+    s.push_str(if keeps { " updates kept |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" } else { "\n|---|---:|---:|---:|---:|---:|---:|---:|\n" });
     for r in rows {
+        let keep = match (keeps, r.keep_share) {
+            (false, _) => String::new(),
+            (true, Some(k)) => format!(" {:.0}% |", 100.0 * k),
+            (true, None) => " – |".into(),
+        };
         s.push_str(&format!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} |\n",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} |{keep}\n",
             if r.is_overall() { "**all**".to_string() } else { r.task.clone() },
             if r.is_overall() { "all".to_string() } else { r.length.to_string() },
             r.n,

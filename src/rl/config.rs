@@ -10,6 +10,18 @@ use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
+/// The order in which steps draw the training records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataOrder {
+    /// A fresh seeded shuffle every pass over the data.
+    #[default]
+    Shuffled,
+    /// The file's order, pass after pass: a length curriculum is a data file with its short
+    /// documents first (`cat` of `data synth` outputs, shortest first).
+    File,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Schedule {
@@ -24,6 +36,8 @@ pub struct TrainConfig {
     pub model: Option<PathBuf>,
     /// Training data (JSONL, see `data synth`).
     pub data: Option<PathBuf>,
+    /// How steps draw from the data: shuffled, or in the file's order (a curriculum).
+    pub data_order: DataOrder,
     pub out: PathBuf,
     /// Start from this PEFT adapter instead of a fresh one.
     pub init_adapter: Option<PathBuf>,
@@ -78,6 +92,7 @@ impl Default for TrainConfig {
         TrainConfig {
             model: None,
             data: None,
+            data_order: DataOrder::Shuffled,
             out: PathBuf::from("runs/train"),
             init_adapter: None,
             dtype: None,

@@ -27,7 +27,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-pub use super::config::{Schedule, TrainConfig, MAX_GROUP, MAX_LORA_R, MAX_NONFINITE_STEPS_IN_A_ROW, MAX_QUERIES, MAX_STEPS, MAX_TOKENS};
+pub use super::config::{DataOrder, Schedule, TrainConfig, MAX_GROUP, MAX_LORA_R, MAX_NONFINITE_STEPS_IN_A_ROW, MAX_QUERIES, MAX_STEPS, MAX_TOKENS};
 
 /// Where the data stream stands (saved in checkpoints).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -36,14 +36,28 @@ pub struct DataCursor {
     pub pos: usize,
     pub order: Vec<usize>,
     pub rng: Rng,
+    /// Reshuffle at every new pass (`DataOrder::Shuffled`; checkpoints before it existed were).
+    #[serde(default = "yes")]
+    pub shuffled: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl DataCursor {
     pub fn new(n: usize, seed: u64) -> Self {
+        Self::with_order(n, seed, DataOrder::Shuffled)
+    }
+
+    pub fn with_order(n: usize, seed: u64, data_order: DataOrder) -> Self {
         let mut rng = Rng::derive(seed, 0xDA7A);
         let mut order: Vec<usize> = (0..n).collect();
-        rng.shuffle(&mut order);
-        DataCursor { epoch: 0, pos: 0, order, rng }
+        let shuffled = data_order == DataOrder::Shuffled;
+        if shuffled {
+            rng.shuffle(&mut order);
+        }
+        DataCursor { epoch: 0, pos: 0, order, rng, shuffled }
     }
 
     /// The next `k` record indices and the cursor after them (the cursor itself is unchanged, so
@@ -55,7 +69,9 @@ impl DataCursor {
             if c.pos == c.order.len() {
                 c.epoch += 1;
                 c.pos = 0;
-                c.rng.shuffle(&mut c.order);
+                if c.shuffled {
+                    c.rng.shuffle(&mut c.order);
+                }
             }
             out.push(c.order[c.pos]);
             c.pos += 1;
@@ -294,7 +310,7 @@ impl<B: TrainBackend> Trainer<B> {
                 eprintln!("resuming from {} (step {})", dir.display(), st.step);
                 (st.step, st.cursor)
             }
-            None => (0, DataCursor::new(queries.len(), cfg.seed)),
+            None => (0, DataCursor::with_order(queries.len(), cfg.seed, cfg.data_order)),
         };
         Ok(Trainer { cfg, model, opt, step, cursor, queries, templates, data_sha256, inputs, nonfinite_in_a_row: 0, good_moments: None })
     }
@@ -831,6 +847,11 @@ mod tests {
         seen.sort();
         assert_eq!(seen, vec![0, 1, 2], "an epoch visits every record once");
         assert_eq!(cur.peek(2).0, a, "peek does not advance");
+        // the file's order, pass after pass: a curriculum file is read shortest first
+        let cur = DataCursor::with_order(3, 7, DataOrder::File);
+        let (a, c1) = cur.peek(5);
+        assert_eq!(a, vec![0, 1, 2, 0, 1]);
+        assert_eq!((c1.epoch, c1.peek(2).0), (1, vec![2, 0]));
     }
 
     #[test]
