@@ -462,3 +462,44 @@ fn interrupted_and_killed_studies_leave_nothing_running() {
     assert_eq!(std::fs::read_to_string(train.join("metrics.jsonl")).unwrap().lines().count(), steps);
     assert!(out.join("cells/outcome-s7/eval-held/results.json").exists());
 }
+
+/// Sets that name the same `curve` form one length curve per arm: em per length and the share
+/// of the shortest length's em kept at the longest, in study.md and study.json.
+#[test]
+fn sets_with_one_curve_name_form_a_length_curve() {
+    let (_t, model) = tiny_for_agent("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = plan(tmp.path(), &model, "");
+    let (short, long) = (tmp.path().join("short.jsonl"), tmp.path().join("long.jsonl"));
+    write_code_qa(&short, 4, "");
+    write_code_qa(&long, 4, &" and then some more words about nothing".repeat(6));
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    for (name, data) in [("short", &short), ("long", &long)] {
+        text.push_str(&format!("\n[[evals]]\nname = {name:?}\ndata = {:?}\ncurve = \"codes\"\n", data.display().to_string()));
+    }
+    std::fs::write(&cfg, text).unwrap();
+    let o = study(&cfg, &["--only", "outcome"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = tmp.path().join("out");
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();
+    let curves = j["length_curves"].as_array().unwrap();
+    assert_eq!(curves.iter().map(|c| c["arm"].as_str().unwrap()).collect::<Vec<_>>(), ["base", "outcome"], "{j}");
+    for c in curves {
+        assert_eq!(c["curve"], "codes");
+        let pts = c["points"].as_array().unwrap();
+        assert_eq!(pts.len(), 2, "{c}");
+        let (l0, l1) = (pts[0]["length"].as_u64().unwrap(), pts[1]["length"].as_u64().unwrap());
+        assert!(l0 < l1, "{c}");
+        assert_eq!(c["kept"]["from"].as_u64(), Some(l0));
+        assert_eq!(c["kept"]["to"].as_u64(), Some(l1));
+        // the ratio is em(long) / em(short) whenever the short em is not 0
+        let (e0, e1) = (pts[0]["em"].as_f64().unwrap(), pts[1]["em"].as_f64().unwrap());
+        if e0 > 0.0 {
+            assert!((c["kept"]["kept"].as_f64().unwrap() - e1 / e0).abs() < 1e-9, "{c}");
+        }
+    }
+    let md = std::fs::read_to_string(out.join("study.md")).unwrap();
+    assert!(md.contains("## Length curve `codes`") && md.contains(" kept |"), "{md}");
+    // the plain set `held` keeps its own section and is not part of the curve
+    assert!(md.contains("## held"), "{md}");
+}

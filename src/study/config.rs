@@ -54,6 +54,10 @@ pub struct Arm {
 pub struct EvalSet {
     pub name: String,
     pub data: PathBuf,
+    /// Sets with the same curve name (one task at several document lengths) form one length
+    /// curve per arm in the report (`study::curves`); not an eval flag, not part of a cell.
+    #[serde(default)]
+    pub curve: Option<String>,
     #[serde(flatten)]
     pub flags: toml::Table,
 }

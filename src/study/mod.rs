@@ -10,6 +10,7 @@
 
 mod answers;
 mod config;
+mod curves;
 mod identity;
 mod plan;
 mod report;

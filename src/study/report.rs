@@ -5,7 +5,8 @@
 use super::answers::{ci_json, ci_md, f3, fp, num, paired, read_preds, signed, Pred};
 use super::retention::{self, Run};
 use super::stats;
-use super::config::{StudyConfig, p};
+use super::config::{EvalSet, StudyConfig, p};
+use super::curves;
 use super::plan::{Cell, cells};
 use super::identity::finished;
 use crate::util::plot::{Chart, Series};
@@ -173,6 +174,34 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
         }
         md.push('\n');
     }
+    // length curves: the sets sharing a `curve` name, one curve per arm and the base
+    let mut curve_rows = Vec::new();
+    for (curve, sets) in curve_sets(cfg) {
+        let mut runs = Vec::new();
+        let base_run = curves::CurveRun {
+            name: "base",
+            by_length: sets.iter().filter_map(|e| base.get(&e.name).map(|b| (curves::set_length(b), BTreeMap::from([(0u64, &b[..])])))).collect(),
+        };
+        if !base_run.by_length.is_empty() {
+            runs.push(base_run);
+        }
+        for a in &cfg.arms {
+            let by_length: BTreeMap<u64, BTreeMap<u64, &[Pred]>> = sets
+                .iter()
+                .filter_map(|e| preds.get(&(a.name.clone(), e.name.clone())))
+                .filter_map(|by_seed| {
+                    let first = by_seed.values().next()?;
+                    Some((curves::set_length(first), by_seed.iter().map(|(s, v)| (*s, &v[..])).collect()))
+                })
+                .collect();
+            if !by_length.is_empty() {
+                runs.push(curves::CurveRun { name: &a.name, by_length });
+            }
+        }
+        let (m, rows) = curves::table(curve, &runs);
+        md.push_str(&m);
+        curve_rows.extend(rows);
+    }
     md.push_str("Plots: `accuracy_vs_step.png` (training success rate, mean over seeds), `accuracy_vs_length.png` (held-out em per length).\n");
 
     plot_steps(cfg, &all)?;
@@ -180,7 +209,7 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
     let out = json!({"model": p(&cfg.model), "seeds": cfg.seeds, "arms": cfg.arms.iter().map(|a| a.name.clone()).collect::<Vec<_>>(),
         "evals": cfg.evals.iter().map(|e| json!({"name": e.name, "data": p(&e.data)})).collect::<Vec<_>>(),
         "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::BOOT_SEED, "interval": "percentile 2.5/97.5, resample seeds then questions"},
-        "cells": cell_rows, "summary": summary, "pairwise": pairwise, "capture": capture, "capture_pairwise": capture_pairwise,
+        "cells": cell_rows, "summary": summary, "length_curves": curve_rows, "pairwise": pairwise, "capture": capture, "capture_pairwise": capture_pairwise,
         "evals_with_different_questions": unequal});
     std::fs::create_dir_all(&cfg.out).with_context(|| format!("cannot create {}", cfg.out.display()))?;
     crate::util::fs::write_atomic_str(&cfg.out.join("study.json"), &serde_json::to_string_pretty(&out)?)?;
@@ -224,14 +253,38 @@ pub(super) fn plot_steps(cfg: &StudyConfig, all: &[Cell]) -> Result<()> {
     .save_png(&cfg.out.join("accuracy_vs_step.png"), 900, 560)
 }
 
+/// The evaluation sets of each length curve, by curve name, in the study file's order.
+fn curve_sets(cfg: &StudyConfig) -> BTreeMap<&str, Vec<&EvalSet>> {
+    let mut m: BTreeMap<&str, Vec<&EvalSet>> = BTreeMap::new();
+    for e in &cfg.evals {
+        if let Some(c) = &e.curve {
+            m.entry(c.as_str()).or_default().push(e);
+        }
+    }
+    m
+}
+
 /// accuracy_vs_length.png: held-out em per length, per arm (pooled over seeds) and the base
-/// model; one series per arm and evaluation set.
+/// model; one series per arm and length curve (the sets sharing a `curve` name), then one per
+/// arm and evaluation set outside a curve.
 pub(super) fn plot_lengths(cfg: &StudyConfig, preds: &BTreeMap<(String, String), BTreeMap<u64, Vec<Pred>>>, base: &BTreeMap<String, Vec<Pred>>) -> Result<()> {
     let by_len = |ps: &mut dyn Iterator<Item = &Pred>| means_by_x(ps.map(|x| (x.length as u64, x.em)));
     let many = cfg.evals.len() > 1;
     let label = |arm: &str, e: &str| if many { format!("{arm} ({e})") } else { arm.to_string() };
     let mut series = Vec::new();
-    for e in &cfg.evals {
+    for (curve, sets) in curve_sets(cfg) {
+        let b: Vec<&Pred> = sets.iter().filter_map(|e| base.get(&e.name)).flatten().collect();
+        if !b.is_empty() {
+            series.push(Series { name: format!("base ({curve})"), points: by_len(&mut b.into_iter()) });
+        }
+        for a in &cfg.arms {
+            let ps: Vec<&Pred> = sets.iter().filter_map(|e| preds.get(&(a.name.clone(), e.name.clone()))).flat_map(|s| s.values().flatten()).collect();
+            if !ps.is_empty() {
+                series.push(Series { name: format!("{} ({curve})", a.name), points: by_len(&mut ps.into_iter()) });
+            }
+        }
+    }
+    for e in cfg.evals.iter().filter(|e| e.curve.is_none()) {
         if let Some(b) = base.get(&e.name) {
             series.push(Series { name: label("base", &e.name), points: by_len(&mut b.iter()) });
         }
