@@ -3,10 +3,10 @@
 # questions (a fact and a decoy about someone else, at any chunk), 5-digit answers, SmolLM2's
 # tokenizer, half procedural and half essay filler (tools/fetch-haystack.sh first).
 #
-#   train-curriculum.jsonl  48 documents of 256 tokens (2 chunks of 128), then 72 of 512 (4 chunks),
+#   train-curriculum.jsonl  48 documents of 256 tokens (2 chunks of 128), then 192 of 512 (4 chunks),
 #                           each stage alternating the two fillers: read in the file's order
 #                           (data_order = "file"), the steps go from 2 to 4 chunks
-#   train-4chunks.jsonl     120 documents of 512 tokens (the no-curriculum ablation)
+#   train-4chunks.jsonl     240 documents of 512 tokens (the no-curriculum ablation)
 #   valid-512.jsonl         100 of 512 tokens, both fillers (β is chosen on it)
 #   heldout-{procedural,essays}-{512,1024,2048,4096,8192}.jsonl
 #                           100 questions per filler and length: 1×, 2×, 4×, 8×, 16× the training
@@ -37,10 +37,10 @@ PY
 }
 P="$OUT/parts"
 synth procedural 256 24 100 "$P/train-256-p.jsonl"; synth essays 256 24 101 "$P/train-256-e.jsonl"
-synth procedural 512 60 102 "$P/train-512-p.jsonl"; synth essays 512 60 103 "$P/train-512-e.jsonl"
+synth procedural 512 120 102 "$P/train-512-p.jsonl"; synth essays 512 120 103 "$P/train-512-e.jsonl"
 interleave "$P/train-256-p.jsonl" "$P/train-256-e.jsonl" "$P/stage-256.jsonl"
 interleave "$P/train-512-p.jsonl" "$P/train-512-e.jsonl" "$P/stage-512.jsonl"
-[[ -f "$OUT/train-curriculum.jsonl" ]] || { cat "$P/stage-256.jsonl" <(head -n 72 "$P/stage-512.jsonl") > "$OUT/train-curriculum.jsonl.tmp" && mv "$OUT/train-curriculum.jsonl.tmp" "$OUT/train-curriculum.jsonl"; }
+[[ -f "$OUT/train-curriculum.jsonl" ]] || { cat "$P/stage-256.jsonl" <(head -n 192 "$P/stage-512.jsonl") > "$OUT/train-curriculum.jsonl.tmp" && mv "$OUT/train-curriculum.jsonl.tmp" "$OUT/train-curriculum.jsonl"; }
 [[ -f "$OUT/train-4chunks.jsonl" ]] || cp "$P/stage-512.jsonl" "$OUT/train-4chunks.jsonl"
 synth procedural 512 50 150 "$P/valid-p.jsonl"; synth essays 512 50 151 "$P/valid-e.jsonl"
 interleave "$P/valid-p.jsonl" "$P/valid-e.jsonl" "$OUT/valid-512.jsonl"
