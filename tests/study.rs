@@ -503,3 +503,33 @@ fn sets_with_one_curve_name_form_a_length_curve() {
     // the plain set `held` keeps its own section and is not part of the curve
     assert!(md.contains("## held"), "{md}");
 }
+
+/// `--evals` runs only the named evaluation sets in this sitting; a later sitting without it runs
+/// the rest, and a misspelt name is refused.
+#[test]
+fn evals_selects_the_sets_of_a_sitting() {
+    let (_t, model) = tiny_for_agent("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = plan(tmp.path(), &model, "");
+    let other = tmp.path().join("other.jsonl");
+    write_code_qa(&other, 3, " else");
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    text.push_str(&format!("\n[[evals]]\nname = \"later\"\ndata = {:?}\n", other.display().to_string()));
+    std::fs::write(&cfg, text).unwrap();
+    let o = study(&cfg, &["--evals", "helt"]);
+    assert!(!o.status.success() && stderr(&o).contains("--evals: no evaluation set named \"helt\" (sets: held, later)"), "{}", stderr(&o));
+    let out = tmp.path().join("out");
+    let o = study(&cfg, &["--evals", "held"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for cell in ["base", "cells/outcome-s7", "cells/infomem-s7"] {
+        assert!(out.join(cell).join("eval-held/results.json").exists(), "{cell}: {}", stderr(&o));
+        assert!(!out.join(cell).join("eval-later").exists(), "{cell} ran an unselected set");
+    }
+    // the same selection again: nothing left to run
+    let o = study(&cfg, &["--evals", "held"]);
+    assert!(o.status.success() && stderr(&o).matches("nothing selected is left").count() == 3, "{}", stderr(&o));
+    // without --evals: only the sets left run, nothing is retrained
+    let o = study(&cfg, &[]);
+    let err = stderr(&o);
+    assert!(o.status.success() && err.matches(": eval-later").count() == 3 && !err.contains(": train") && !err.contains(": eval-held"), "{err}");
+}

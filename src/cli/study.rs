@@ -21,6 +21,9 @@ pub struct StudyArgs {
     /// Run only these arms (comma-separated names); the base model's evaluations always run.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// Run only these evaluation sets in this sitting (comma-separated names), e.g. the cheap ones while the cells train; the others run in a later sitting, and the report shows every finished one.
+    #[arg(long, value_delimiter = ',', conflicts_with = "report_only")]
+    pub evals: Vec<String>,
 }
 
 /// `train` as a study cell runs it: its own arguments and the global `--threads`.
@@ -154,7 +157,8 @@ pub fn study(a: StudyArgs) -> Result<()> {
     }
     let exe = std::env::current_exe().context("cannot find this program's path to run its train/eval subcommands")?;
     let only = (!a.only.is_empty()).then_some(a.only.as_slice());
-    let res = study::run(&cfg, &study::RunOptions { only, dry_run: a.dry_run, exe });
+    let evals = (!a.evals.is_empty()).then_some(a.evals.as_slice());
+    let res = study::run(&cfg, &study::RunOptions { only, evals, dry_run: a.dry_run, exe });
     // stopped by Ctrl-C, SIGTERM or SIGHUP: the running cell saved its checkpoint; exit as `train`
     // does, with 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), not 1
     if let Err(e) = &res {

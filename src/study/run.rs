@@ -1,6 +1,6 @@
 //! Running what is left: the selection of cells, the dry run, the children spawned (logged, dying
 //! with the study), the study directory's lock and the progress line.
-use super::config::{LOCK_FILE, StudyConfig, p};
+use super::config::{EvalSet, LOCK_FILE, StudyConfig, p};
 use super::plan::{Cell, cells, eval_command, show_cmd, train_command};
 use super::identity::{finished, record, record_unrecorded};
 use super::report::report;
@@ -24,6 +24,8 @@ pub(super) fn fmt_dur(d: Duration) -> String {
 /// What to run: the study, its selection of arms (`None` = all) and the binary to spawn.
 pub struct RunOptions<'a> {
     pub only: Option<&'a [String]>,
+    /// The evaluation sets to run in this sitting (`None` = all); the others wait for a later one.
+    pub evals: Option<&'a [String]>,
     pub dry_run: bool,
     pub exe: PathBuf,
 }
@@ -40,15 +42,27 @@ pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>) -> Result<Vec
     Ok(cells(cfg).into_iter().filter(|c| c.seed.is_none() || only.is_none_or(|o| o.contains(&c.arm))).collect())
 }
 
+/// The evaluation sets of this sitting: all, or those `--evals` names (each must exist).
+pub(super) fn selected_evals<'c>(cfg: &'c StudyConfig, names: Option<&[String]>) -> Result<Vec<&'c EvalSet>> {
+    let Some(names) = names else { return Ok(cfg.evals.iter().collect()) };
+    for name in names {
+        if !cfg.evals.iter().any(|e| &e.name == name) {
+            bail!("--evals: no evaluation set named {name:?} (sets: {})", cfg.evals.iter().map(|e| e.name.as_str()).collect::<Vec<_>>().join(", "));
+        }
+    }
+    Ok(cfg.evals.iter().filter(|e| names.contains(&e.name)).collect())
+}
+
 /// Run what is left of the study, then write the report. With `dry_run`, print the plan and the
 /// exact commands instead (nothing is created).
 pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     let cells = selected(cfg, o.only)?;
+    let evals = selected_evals(cfg, o.evals)?;
     let total = cells.len();
     if o.dry_run {
         println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
         for (i, c) in cells.iter().enumerate() {
-            let cmds: Vec<_> = train_command(cfg, c).into_iter().chain(cfg.evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
+            let cmds: Vec<_> = train_command(cfg, c).into_iter().chain(evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
             if cmds.is_empty() {
                 println!("[cell {}/{total}] {}: finished, skipped", i + 1, c.name());
             }
@@ -70,6 +84,10 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
             eprintln!("{tag}: finished, skipped");
             continue;
         }
+        if train_command(cfg, c).is_none() && evals.iter().all(|e| eval_command(cfg, c, e).is_none()) {
+            eprintln!("{tag}: nothing selected is left (its other evaluation sets run in a sitting without --evals)");
+            continue;
+        }
         let t0 = Instant::now();
         std::fs::create_dir_all(&c.dir).with_context(|| format!("cannot create {}", c.dir.display()))?;
         let log = c.dir.join("log.txt");
@@ -81,7 +99,7 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
             record(cfg, c, "train")?;
             spawn_logged(&o.exe, &args, &log, &tag)?;
         }
-        for e in &cfg.evals {
+        for e in &evals {
             if let Some((what, args)) = eval_command(cfg, c, e) {
                 eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
                 record(cfg, c, &what)?;
