@@ -98,6 +98,10 @@ pub(super) fn read_record(cell: &Cell) -> Result<serde_json::Map<String, Value>>
 
 /// The differences between a recorded identity and the current one, as `key: old → new`
 /// (nested objects as `train.key`).
+/// Settings that newer versions added, with the default that gives the behaviour of the versions
+/// before them: a cell recorded without the key is the same cell when the key is at this value.
+const ADDED_LATER: [(&str, &str); 1] = [("data_order", "shuffled")];
+
 pub(super) fn diff(prefix: &str, old: &Value, new: &Value, out: &mut Vec<String>) {
     let show = |v: Option<&Value>| match v {
         None | Some(Value::Null) => "(none)".to_string(),
@@ -113,6 +117,8 @@ pub(super) fn diff(prefix: &str, old: &Value, new: &Value, out: &mut Vec<String>
             (Some(x @ Value::Object(_)), Some(y @ Value::Object(_))) => diff(&format!("{name}."), x, y, out),
             (Some(Value::Number(x)), Some(Value::Number(y))) if x.as_f64() == y.as_f64() => {}
             _ if x == y => {}
+            // a setting added after the record was made, now at its default: the old behaviour
+            (None, Some(Value::String(v))) if ADDED_LATER.contains(&(name.as_str(), v.as_str())) => {}
             _ => out.push(format!("{name} {} → {}", show(x), show(y))),
         }
     }

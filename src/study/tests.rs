@@ -118,3 +118,17 @@ fn capture_per_arm_and_length_and_paired() {
     let (md, js) = retention::paired_rows("held", "a", "old", &pa, &pold);
     assert!(md.contains("not recorded") && js[0]["recorded"] == false, "{md}");
 }
+
+#[test]
+fn a_setting_added_later_at_its_default_is_no_change() {
+    let old = json!({"lr": 0.0002, "steps": 60});
+    let mut d = Vec::new();
+    diff("", &old, &json!({"lr": 0.0002, "steps": 60, "data_order": "shuffled"}), &mut d);
+    assert!(d.is_empty(), "{d:?}");
+    diff("", &old, &json!({"lr": 0.0002, "steps": 60, "data_order": "file"}), &mut d);
+    assert_eq!(d, ["data_order (none) → file"]);
+    let mut d = Vec::new();
+    diff("", &json!({"data_order": "file"}), &json!({"data_order": "shuffled"}), &mut d);
+    assert_eq!(d, ["data_order file → shuffled"]);
+}
+
