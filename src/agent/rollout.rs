@@ -580,11 +580,11 @@ fn judge_answer(cfg: &AgentConfig, traj: &mut Trajectory, reply: String, golds: 
 /// An update's reply becomes the next memory (the empty-memory text when it is blank), unless it
 /// is the templates' keep word: then the memory stays as it was (docs/DESIGN.md §1.1).
 fn take_memory<B: Backend>(cx: &Ctx<B>, s: &mut State, reply: &str, golds: &[String]) -> Result<()> {
-    let (mem, kept) = next_memory(cx.templates, &s.mem_text, reply);
+    let next = next_memory(cx.templates, reply);
     if cx.templates.keep.is_some() {
-        s.traj.kept.push(kept);
+        s.traj.kept.push(next.is_none());
     }
-    if !kept {
+    if let Some(mem) = next {
         s.mem_ids = cx.tok.encode(&mem)?;
         s.mem_text = mem;
     }
@@ -593,13 +593,14 @@ fn take_memory<B: Backend>(cx: &Ctx<B>, s: &mut State, reply: &str, golds: &[Str
     Ok(())
 }
 
-/// The memory after an update: `(M_t, kept)` from `M_{t−1}` and the reply.
-pub fn next_memory(templates: &Templates, current: &str, reply: &str) -> (String, bool) {
+/// The memory an update's reply writes: `Some(M_t)`, or `None` for the keep action
+/// (`M_t = M_{t−1}`).
+pub fn next_memory(templates: &Templates, reply: &str) -> Option<String> {
     if templates.keep.as_deref().is_some_and(|w| is_keep(reply, w)) {
-        return (current.to_string(), true);
+        return None;
     }
     let mem = reply.trim();
-    (if mem.is_empty() { templates.empty_memory.clone() } else { mem.to_string() }, false)
+    Some(if mem.is_empty() { templates.empty_memory.clone() } else { mem.to_string() })
 }
 
 /// One scoring pass for the step: the gains of the answers, then (with `memory_curve`) the curve
@@ -728,11 +729,11 @@ mod tests {
     #[test]
     fn keep_leaves_the_memory_and_a_rewrite_replaces_it() {
         let mut t = Templates::default();
-        assert_eq!(next_memory(&t, "old", " KEEP "), ("KEEP".to_string(), false), "no keep action: the reply is the memory");
-        assert_eq!(next_memory(&t, "old", "  \n"), (t.empty_memory.clone(), false));
+        assert_eq!(next_memory(&t, " KEEP "), Some("KEEP".to_string()), "no keep action: the reply is the memory");
+        assert_eq!(next_memory(&t, "  \n"), Some(t.empty_memory.clone()));
         t.keep = Some("KEEP".into());
-        assert_eq!(next_memory(&t, "The code of Ana is 12345.", "keep."), ("The code of Ana is 12345.".to_string(), true));
-        assert_eq!(next_memory(&t, "old", "KEEP the old notes"), ("KEEP the old notes".to_string(), false));
-        assert_eq!(next_memory(&t, "old", "new notes"), ("new notes".to_string(), false));
+        assert_eq!(next_memory(&t, "keep."), None);
+        assert_eq!(next_memory(&t, "KEEP the old notes"), Some("KEEP the old notes".to_string()));
+        assert_eq!(next_memory(&t, "new notes"), Some("new notes".to_string()));
     }
 }

@@ -39,8 +39,12 @@ pub fn kept_ratio(short: &[Vec<f64>], long: &[Vec<f64>], resamples: usize, rng_s
     if seeds.is_empty() || resamples == 0 {
         return nan;
     }
-    let pooled = |which: &dyn Fn(&(&Vec<f64>, &Vec<f64>)) -> Vec<f64>| stats::pooled_mean(&seeds.iter().map(which).collect::<Vec<_>>());
-    let (ms, ml) = (pooled(&|p| p.0.clone()), pooled(&|p| p.1.clone()));
+    // pooled means: every question of every seed counts once
+    let mean = |vs: &mut dyn Iterator<Item = &Vec<f64>>| {
+        let (sum, n) = vs.fold((0.0, 0usize), |(s, n), v| (s + v.iter().sum::<f64>(), n + v.len()));
+        sum / n as f64
+    };
+    let (ms, ml) = (mean(&mut seeds.iter().map(|p| p.0)), mean(&mut seeds.iter().map(|p| p.1)));
     let point = if ms > 0.0 { ml / ms } else { f64::NAN };
     let mut rng = Rng::new(rng_seed);
     let mut out = Vec::with_capacity(resamples);

@@ -96,12 +96,12 @@ pub(super) fn read_record(cell: &Cell) -> Result<serde_json::Map<String, Value>>
     }
 }
 
-/// The differences between a recorded identity and the current one, as `key: old → new`
-/// (nested objects as `train.key`).
 /// Settings that newer versions added, with the default that gives the behaviour of the versions
 /// before them: a cell recorded without the key is the same cell when the key is at this value.
 const ADDED_LATER: [(&str, &str); 1] = [("data_order", "shuffled")];
 
+/// The differences between a recorded identity and the current one, as `key: old → new`
+/// (nested objects as `train.key`).
 pub(super) fn diff(prefix: &str, old: &Value, new: &Value, out: &mut Vec<String>) {
     let show = |v: Option<&Value>| match v {
         None | Some(Value::Null) => "(none)".to_string(),

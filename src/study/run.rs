@@ -30,13 +30,17 @@ pub struct RunOptions<'a> {
     pub exe: PathBuf,
 }
 
+/// Every name a selection flag gives must be one the study has: `--only: no arm named "x" (arms: …)`.
+fn check_names(flag: &str, what: &str, kind: &str, names: &[String], known: &[&str]) -> Result<()> {
+    match names.iter().find(|n| !known.contains(&n.as_str())) {
+        Some(name) => bail!("{flag}: no {what} named {name:?} ({kind}: {})", known.join(", ")),
+        None => Ok(()),
+    }
+}
+
 pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>) -> Result<Vec<Cell>> {
     if let Some(o) = only {
-        for name in o {
-            if !cfg.arms.iter().any(|a| &a.name == name) {
-                bail!("--only: no arm named {name:?} (arms: {})", cfg.arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", "));
-            }
-        }
+        check_names("--only", "arm", "arms", o, &cfg.arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>())?;
     }
     // the base evaluation always runs: every comparison needs it and it is cheap
     Ok(cells(cfg).into_iter().filter(|c| c.seed.is_none() || only.is_none_or(|o| o.contains(&c.arm))).collect())
@@ -45,11 +49,7 @@ pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>) -> Result<Vec
 /// The evaluation sets of this sitting: all, or those `--evals` names (each must exist).
 pub(super) fn selected_evals<'c>(cfg: &'c StudyConfig, names: Option<&[String]>) -> Result<Vec<&'c EvalSet>> {
     let Some(names) = names else { return Ok(cfg.evals.iter().collect()) };
-    for name in names {
-        if !cfg.evals.iter().any(|e| &e.name == name) {
-            bail!("--evals: no evaluation set named {name:?} (sets: {})", cfg.evals.iter().map(|e| e.name.as_str()).collect::<Vec<_>>().join(", "));
-        }
-    }
+    check_names("--evals", "evaluation set", "sets", names, &cfg.evals.iter().map(|e| e.name.as_str()).collect::<Vec<_>>())?;
     Ok(cfg.evals.iter().filter(|e| names.contains(&e.name)).collect())
 }
 
@@ -84,7 +84,10 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
             eprintln!("{tag}: finished, skipped");
             continue;
         }
-        if train_command(cfg, c).is_none() && evals.iter().all(|e| eval_command(cfg, c, e).is_none()) {
+        // what this sitting runs for the cell (an evaluation's command does not depend on the training)
+        let trains = train_command(cfg, c);
+        let eval_cmds: Vec<_> = evals.iter().filter_map(|e| eval_command(cfg, c, e)).collect();
+        if trains.is_none() && eval_cmds.is_empty() {
             eprintln!("{tag}: nothing selected is left (its other evaluation sets run in a sitting without --evals)");
             continue;
         }
@@ -92,19 +95,16 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
         std::fs::create_dir_all(&c.dir).with_context(|| format!("cannot create {}", c.dir.display()))?;
         let log = c.dir.join("log.txt");
         // training first: the evaluations need its adapter
-        let trains = train_command(cfg, c);
         let trained_now = trains.is_some();
         if let Some((what, args)) = trains {
             eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
             record(cfg, c, "train")?;
             spawn_logged(&o.exe, &args, &log, &tag)?;
         }
-        for e in &evals {
-            if let Some((what, args)) = eval_command(cfg, c, e) {
-                eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
-                record(cfg, c, &what)?;
-                spawn_logged(&o.exe, &args, &log, &tag)?;
-            }
+        for (what, args) in eval_cmds {
+            eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
+            record(cfg, c, &what)?;
+            spawn_logged(&o.exe, &args, &log, &tag)?;
         }
         // the ETA comes from the cells trained in this sitting only: a cell that only evaluated
         // (the base, or one trained in an earlier sitting) is much shorter
