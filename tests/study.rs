@@ -229,6 +229,95 @@ fn runs_skips_and_resumes() {
     assert!(md.contains("| infomem | – | – | not recorded |") && md.contains("| outcome vs infomem | captured, in final | not recorded |"), "{md}");
 }
 
+/// Issue 55: a study split over machines that keep only the small files. `--only` (with `base`)
+/// and `--seeds` choose a sitting's cells; a cell whose results were kept without their adapter
+/// is reported and finished, and a sitting that would add to it is refused before anything runs
+/// (a new training would mix two adapters' results in one cell).
+#[test]
+fn results_kept_without_their_adapter_are_reported_and_never_added_to() {
+    let (_t, model) = tiny_for_agent("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = plan(tmp.path(), &model, "");
+    let out = tmp.path().join("out");
+    std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace("seeds = [7]", "seeds = [7, 9]")).unwrap();
+    // the selection: an arm at a seed, without the base; base by name; an unknown seed refused
+    let o = study(&cfg, &["--dry-run", "--only", "infomem", "--seeds", "9"]);
+    let plan_out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success() && plan_out.contains("infomem-s9: train"), "{plan_out}{}", stderr(&o));
+    assert!(!plan_out.contains("base:") && !plan_out.contains("-s7") && !plan_out.contains("outcome"), "{plan_out}");
+    let o = study(&cfg, &["--dry-run", "--only", "base"]);
+    let plan_out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success() && plan_out.contains("base: eval-held") && !plan_out.contains("-s"), "{plan_out}");
+    let o = study(&cfg, &["--dry-run", "--seeds", "3"]);
+    assert!(!o.status.success() && stderr(&o).contains("--seeds: 3 is not one of the study's seeds (7, 9)"), "{}", stderr(&o));
+
+    let o = study(&cfg, &["--seeds", "7"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!out.join("cells/outcome-s9").exists() && out.join("cells/infomem-s7/eval-held/results.json").exists());
+    // infomem-s7 keeps its results, not its weights (adapter and checkpoints gone)
+    std::fs::remove_dir_all(out.join("cells/infomem-s7/train")).unwrap();
+    std::fs::remove_file(out.join("study.md")).unwrap();
+    let o = study(&cfg, &["--report-only"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();
+    let cell = j["cells"].as_array().unwrap().iter().find(|c| c["arm"] == "infomem" && c["seed"] == 7).unwrap().clone();
+    assert!(cell["evals"]["held"]["n"] == 4 && cell["trained"] == false && cell["finished"] == true, "{cell}");
+    assert_eq!(j["pairwise"][0]["per_seed"][0]["n"], 4, "{j}");
+    // finished: skipped, not trained again
+    let o = study(&cfg, &["--seeds", "7"]);
+    let err = stderr(&o);
+    assert!(o.status.success() && err.matches("finished, skipped").count() == 3 && !err.contains(": train"), "{err}");
+    assert!(!out.join("cells/infomem-s7/train").exists());
+    // a new evaluation set: refused for that cell, naming what it holds, what is left and the ways out
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    text.push_str(&format!("\n[[evals]]\nname = \"again\"\ndata = {:?}\n", tmp.path().join("data.jsonl").display().to_string()));
+    std::fs::write(&cfg, text).unwrap();
+    for mode in [&["--seeds", "7"][..], &["--dry-run"]] {
+        let o = study(&cfg, mode);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{mode:?}: {err}");
+        assert!(err.contains("infomem-s7 holds evaluations (held) but not the adapter") && err.contains("the sets left (again)"), "{err}");
+        assert!(err.contains("--only, --seeds, or --evals") && err.contains(&format!("rm -r {}", out.join("cells/infomem-s7").display())), "{err}");
+    }
+    assert!(!out.join("base/eval-again").exists() && !out.join("cells/outcome-s7/eval-again").exists(), "the refused sitting ran something");
+    // the sitting leaves it out: the others are evaluated, it is not touched
+    let o = study(&cfg, &["--seeds", "7", "--only", "base,outcome"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("cells/outcome-s7/eval-again/results.json").exists() && !out.join("cells/infomem-s7/eval-again").exists());
+    let o = study(&cfg, &["--seeds", "7", "--evals", "held"]);
+    assert!(o.status.success() && !stderr(&o).contains(": train"), "{}", stderr(&o));
+
+    // carried to another machine by tools/study_results.py: no weights, the same report
+    let py = |args: &[&Path]| Command::new("python3").arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/study_results.py")).args(args).output().unwrap();
+    let (kept, out2) = (tmp.path().join("kept"), tmp.path().join("out2"));
+    for _ in 0..2 {
+        // twice: the second finds every file identical and writes nothing new
+        let o = py(&[Path::new("save"), &out, &kept]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    assert!(kept.join("cells/outcome-s7/eval-again/predictions.jsonl.xz").exists() && kept.join("cells/outcome-s7/train/metrics.jsonl").exists());
+    assert!(!kept.join("cells/outcome-s7/train/adapter").exists() && !kept.join("cells/outcome-s7/train/checkpoints").exists());
+    let o = py(&[Path::new("restore"), &kept, &out2]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read(out2.join("cells/outcome-s7/eval-again/predictions.jsonl")).unwrap(), std::fs::read(out.join("cells/outcome-s7/eval-again/predictions.jsonl")).unwrap());
+    let cfg2 = tmp.path().join("carried.toml");
+    std::fs::write(&cfg2, std::fs::read_to_string(&cfg).unwrap().replace(&format!("{:?}", out.display().to_string()), &format!("{:?}", out2.display().to_string()))).unwrap();
+    let o = study(&cfg2, &["--report-only"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let pairwise = |d: &Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(d.join("study.json")).unwrap()).unwrap()["pairwise"].clone();
+    assert_eq!(pairwise(&out2), pairwise(&out));
+    // a finished result is never replaced, and nothing is restored into a cell with a training of its own
+    std::fs::write(out2.join("cells/outcome-s7/eval-held/results.md"), "edited").unwrap();
+    let o = py(&[Path::new("restore"), &kept, &out2]);
+    assert!(!o.status.success() && stderr(&o).contains("exists and differs"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(out2.join("cells/outcome-s7/eval-held/results.md")).unwrap(), "edited");
+    std::fs::remove_file(out2.join("cells/outcome-s7/eval-held/results.md")).unwrap();
+    std::fs::create_dir_all(out2.join("cells/infomem-s7/train/checkpoints")).unwrap();
+    let o = py(&[Path::new("restore"), &kept, &out2]);
+    assert!(!o.status.success() && stderr(&o).contains("has a training of its own"), "{}", stderr(&o));
+    assert!(!out2.join("cells/outcome-s7/eval-held/results.md").exists(), "a refused restore wrote something");
+}
+
 #[test]
 fn a_failing_cell_names_its_command_and_log() {
     let (_t, model) = tiny_for_agent("llama");
@@ -431,7 +520,7 @@ fn interrupted_and_killed_studies_leave_nothing_running() {
     assert!(stderr(&o).contains("--report-only: nothing has run in") && stderr(&o).contains("run the study first"), "{}", stderr(&o));
     assert!(!out.exists(), "--report-only created {}", out.display());
 
-    let spawn = || bin().args(["study", "--config", cfg.to_str().unwrap(), "--only", "outcome"]).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let spawn = || bin().args(["study", "--config", cfg.to_str().unwrap(), "--only", "base,outcome"]).stderr(std::process::Stdio::null()).spawn().unwrap();
     // Ctrl-C to the study alone: passed on to the cell, which saves; the study exits 130
     let mut s = spawn();
     wait_for("a first checkpoint", 120, || checkpoint_steps(&train) >= 1);
@@ -478,7 +567,7 @@ fn sets_with_one_curve_name_form_a_length_curve() {
         text.push_str(&format!("\n[[evals]]\nname = {name:?}\ndata = {:?}\ncurve = \"codes\"\n", data.display().to_string()));
     }
     std::fs::write(&cfg, text).unwrap();
-    let o = study(&cfg, &["--only", "outcome"]);
+    let o = study(&cfg, &["--only", "base,outcome"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = tmp.path().join("out");
     let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();

@@ -18,9 +18,12 @@ pub struct StudyArgs {
     /// Train and evaluate nothing: rewrite study.json, study.md and the plots from the finished cells.
     #[arg(long)]
     pub report_only: bool,
-    /// Run only these arms (comma-separated names); the base model's evaluations always run.
+    /// Run only these arms (comma-separated names; `base` is the base model's cell, run only when named here or when --only is not given).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// Run only the arms' cells at these seeds (comma-separated), e.g. one seed per sitting; the base model's cell has no seed (--only selects it).
+    #[arg(long, value_delimiter = ',', conflicts_with = "report_only")]
+    pub seeds: Vec<u64>,
     /// Run only these evaluation sets in this sitting (comma-separated names), e.g. the cheap ones while the cells train; the others run in a later sitting, and the report shows every finished one.
     #[arg(long, value_delimiter = ',', conflicts_with = "report_only")]
     pub evals: Vec<String>,
@@ -158,7 +161,8 @@ pub fn study(a: StudyArgs) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find this program's path to run its train/eval subcommands")?;
     let only = (!a.only.is_empty()).then_some(a.only.as_slice());
     let evals = (!a.evals.is_empty()).then_some(a.evals.as_slice());
-    let res = study::run(&cfg, &study::RunOptions { only, evals, dry_run: a.dry_run, exe });
+    let seeds = (!a.seeds.is_empty()).then_some(a.seeds.as_slice());
+    let res = study::run(&cfg, &study::RunOptions { only, seeds, evals, dry_run: a.dry_run, exe });
     // stopped by Ctrl-C, SIGTERM or SIGHUP: the running cell saved its checkpoint; exit as `train`
     // does, with 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), not 1
     if let Err(e) = &res {

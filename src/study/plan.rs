@@ -37,6 +37,18 @@ impl Cell {
     pub(super) fn evaluated(&self, eval: &str) -> bool {
         self.eval_dir(eval).join("results.json").exists()
     }
+    /// An arm's cell that holds finished evaluations but not the adapter that made them (its
+    /// results were kept without their weights, e.g. carried to another machine): what it holds
+    /// is reported, nothing is added to it (a new training would mix two adapters' results).
+    /// (Any `eval-*/results.json` counts, of a set the study file still names or not.)
+    pub(super) fn results_without_adapter(&self) -> bool {
+        let has_results = || {
+            std::fs::read_dir(&self.dir).into_iter().flatten().flatten().any(|e| {
+                e.file_name().to_string_lossy().starts_with("eval-") && e.path().join("results.json").exists()
+            })
+        };
+        self.seed.is_some() && !self.trained() && has_results()
+    }
 }
 
 /// The cells in run order: the base model first (its evaluations), then seed by seed every arm

@@ -36,7 +36,7 @@ pub fn report(cfg: &StudyConfig) -> Result<Value> {
     for c in &all {
         let mut evals = serde_json::Map::new();
         for e in &cfg.evals {
-            if !(c.trained() && c.evaluated(&e.name)) {
+            if !c.evaluated(&e.name) {
                 continue;
             }
             let ps = read_preds(&c.eval_dir(&e.name))?;
@@ -229,11 +229,11 @@ pub(super) fn means_by_x(points: impl Iterator<Item = (u64, f64)>) -> Vec<(f64, 
 }
 
 /// accuracy_vs_step.png: per arm, the training success rate at each step averaged over the
-/// seeds that reached it (trained cells only).
+/// seeds that reached it (cells whose training finished, whether or not their adapter is kept).
 pub(super) fn plot_steps(cfg: &StudyConfig, all: &[Cell]) -> Result<()> {
     let mut series = Vec::new();
     for a in &cfg.arms {
-        let cells = all.iter().filter(|c| c.arm == a.name && c.seed.is_some() && c.trained());
+        let cells = all.iter().filter(|c| c.arm == a.name && c.seed.is_some() && (c.trained() || c.results_without_adapter()));
         let points = means_by_x(cells.flat_map(|c| read_steps(&c.train_dir())).map(|(s, y)| (s as u64, y)));
         if !points.is_empty() {
             series.push(Series { name: a.name.clone(), points });

@@ -24,6 +24,8 @@ pub(super) fn fmt_dur(d: Duration) -> String {
 /// What to run: the study, its selection of arms (`None` = all) and the binary to spawn.
 pub struct RunOptions<'a> {
     pub only: Option<&'a [String]>,
+    /// The arms' seeds to run in this sitting (`None` = all).
+    pub seeds: Option<&'a [u64]>,
     /// The evaluation sets to run in this sitting (`None` = all); the others wait for a later one.
     pub evals: Option<&'a [String]>,
     pub dry_run: bool,
@@ -38,12 +40,47 @@ fn check_names(flag: &str, what: &str, kind: &str, names: &[String], known: &[&s
     }
 }
 
-pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>) -> Result<Vec<Cell>> {
+/// The cells of this sitting: `only` names arms or `base` (the base model's cell), `seeds` the
+/// arms' seeds; `None` = all. The base model's cell has no seed and is selected by `only` alone.
+pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>, seeds: Option<&[u64]>) -> Result<Vec<Cell>> {
     if let Some(o) = only {
-        check_names("--only", "arm", "arms", o, &cfg.arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>())?;
+        let known: Vec<&str> = std::iter::once("base").chain(cfg.arms.iter().map(|a| a.name.as_str())).collect();
+        check_names("--only", "arm", "arms", o, &known)?;
     }
-    // the base evaluation always runs: every comparison needs it and it is cheap
-    Ok(cells(cfg).into_iter().filter(|c| c.seed.is_none() || only.is_none_or(|o| o.contains(&c.arm))).collect())
+    if let Some(ss) = seeds {
+        if let Some(s) = ss.iter().find(|s| !cfg.seeds.contains(s)) {
+            bail!("--seeds: {s} is not one of the study's seeds ({})", cfg.seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", "));
+        }
+    }
+    Ok(cells(cfg)
+        .into_iter()
+        .filter(|c| only.is_none_or(|o| o.contains(&c.arm)) && c.seed.is_none_or(|s| seeds.is_none_or(|ss| ss.contains(&s))))
+        .collect())
+}
+
+/// A cell that holds results but not their adapter gets nothing more: refuse, before anything
+/// runs, a sitting that would evaluate it again (it would need a new training, and two
+/// adapters' results would be mixed in one cell).
+fn refuse_adding_to_kept_results(cfg: &StudyConfig, cells: &[Cell], evals: &[&EvalSet]) -> Result<()> {
+    for c in cells.iter().filter(|c| c.results_without_adapter()) {
+        let left: Vec<&str> = evals.iter().filter(|e| !c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
+        if left.is_empty() {
+            continue;
+        }
+        let held: Vec<&str> = cfg.evals.iter().filter(|e| c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
+        bail!(
+            "{} holds evaluations ({}) but not the adapter that made them ({}): the sets left ({}) cannot be run on that adapter, \
+             and training it again would mix two adapters' results in one cell.\n\
+             Restore the adapter, or leave this cell out of the sitting (--only, --seeds, or --evals with finished sets), \
+             or delete the cell to train and evaluate it afresh:\n  rm -r {}",
+            c.name(),
+            held.join(", "),
+            p(&c.adapter()),
+            left.join(", "),
+            p(&c.dir)
+        );
+    }
+    Ok(())
 }
 
 /// The evaluation sets of this sitting: all, or those `--evals` names (each must exist).
@@ -56,13 +93,14 @@ pub(super) fn selected_evals<'c>(cfg: &'c StudyConfig, names: Option<&[String]>)
 /// Run what is left of the study, then write the report. With `dry_run`, print the plan and the
 /// exact commands instead (nothing is created).
 pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
-    let cells = selected(cfg, o.only)?;
+    let cells = selected(cfg, o.only, o.seeds)?;
     let evals = selected_evals(cfg, o.evals)?;
+    refuse_adding_to_kept_results(cfg, &cells, &evals)?;
     let total = cells.len();
     if o.dry_run {
         println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
         for (i, c) in cells.iter().enumerate() {
-            let cmds: Vec<_> = train_command(cfg, c).into_iter().chain(evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
+            let cmds: Vec<_> = trains(cfg, c).into_iter().chain(evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
             if cmds.is_empty() {
                 println!("[cell {}/{total}] {}: finished, skipped", i + 1, c.name());
             }
@@ -85,7 +123,7 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
             continue;
         }
         // what this sitting runs for the cell (an evaluation's command does not depend on the training)
-        let trains = train_command(cfg, c);
+        let trains = trains(cfg, c);
         let eval_cmds: Vec<_> = evals.iter().filter_map(|e| eval_command(cfg, c, e)).collect();
         if trains.is_none() && eval_cmds.is_empty() {
             eprintln!("{tag}: nothing selected is left (its other evaluation sets run in a sitting without --evals)");
@@ -118,6 +156,15 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     Ok(())
 }
 
+/// The training a cell still needs: none for a cell whose results are kept without their adapter
+/// (nothing is added to it: `refuse_adding_to_kept_results`).
+fn trains(cfg: &StudyConfig, c: &Cell) -> Option<(String, Vec<String>)> {
+    if c.results_without_adapter() {
+        return None;
+    }
+    train_command(cfg, c)
+}
+
 /// Lock the study directory (created if missing) for this process's lifetime: one study
 /// process per directory (`.study.lock`).
 pub fn lock(cfg: &StudyConfig) -> Result<crate::util::lock::DirLock> {
@@ -127,7 +174,7 @@ pub fn lock(cfg: &StudyConfig) -> Result<crate::util::lock::DirLock> {
 /// `--report-only`: rewrite the report from the finished evaluations, under the study's lock;
 /// refused when nothing has been evaluated yet (there is nothing to report).
 pub fn report_only(cfg: &StudyConfig) -> Result<Value> {
-    let any = cells(cfg).iter().any(|c| c.trained() && cfg.evals.iter().any(|e| c.evaluated(&e.name)));
+    let any = cells(cfg).iter().any(|c| cfg.evals.iter().any(|e| c.evaluated(&e.name)));
     if !any {
         bail!(
             "--report-only: nothing has run in {} yet (no cell has a finished evaluation): run the study first (without --report-only)",
@@ -141,7 +188,7 @@ pub fn report_only(cfg: &StudyConfig) -> Result<Value> {
 /// The cells among these that still have to be trained (an arm's cell without its adapter):
 /// what the ETA multiplies the mean training cell's time by.
 pub(super) fn to_train(cells: &[Cell]) -> usize {
-    cells.iter().filter(|c| !c.trained()).count()
+    cells.iter().filter(|c| !c.trained() && !c.results_without_adapter()).count()
 }
 
 /// `elapsed …, ETA …`: the mean time of the cells trained in this sitting times the cells left
