@@ -126,7 +126,11 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
         let trains = trains(cfg, c);
         let eval_cmds: Vec<_> = evals.iter().filter_map(|e| eval_command(cfg, c, e)).collect();
         if trains.is_none() && eval_cmds.is_empty() {
-            eprintln!("{tag}: nothing selected is left (its other evaluation sets run in a sitting without --evals)");
+            if c.results_without_adapter() {
+                eprintln!("{tag}: nothing selected is left (its results are kept without their adapter: no evaluation can be added)");
+            } else {
+                eprintln!("{tag}: nothing selected is left (its other evaluation sets run in a sitting without --evals)");
+            }
             continue;
         }
         let t0 = Instant::now();
