@@ -7,6 +7,8 @@
 #                           each stage alternating the two fillers: read in the file's order
 #                           (data_order = "file"), the steps go from 2 to 4 chunks
 #   train-4chunks.jsonl     240 documents of 512 tokens (the no-curriculum ablation)
+#   train-curriculum-8.jsonl  48 of 256 tokens, 96 of 512, then 96 of 1,024 (8 chunks): the
+#                           curriculum to 8 chunks (examples/study-long-ablate.toml, arm curriculum-8)
 #   valid-512.jsonl         100 of 512 tokens, both fillers (β is chosen on it)
 #   heldout-{procedural,essays}-{512,1024,2048,4096,8192}.jsonl
 #                           100 questions per filler and length: 1×, 2×, 4×, 8×, 16× the training
@@ -42,6 +44,9 @@ interleave "$P/train-256-p.jsonl" "$P/train-256-e.jsonl" "$P/stage-256.jsonl"
 interleave "$P/train-512-p.jsonl" "$P/train-512-e.jsonl" "$P/stage-512.jsonl"
 [[ -f "$OUT/train-curriculum.jsonl" ]] || { cat "$P/stage-256.jsonl" <(head -n 192 "$P/stage-512.jsonl") > "$OUT/train-curriculum.jsonl.tmp" && mv "$OUT/train-curriculum.jsonl.tmp" "$OUT/train-curriculum.jsonl"; }
 [[ -f "$OUT/train-4chunks.jsonl" ]] || cp "$P/stage-512.jsonl" "$OUT/train-4chunks.jsonl"
+synth procedural 1024 48 104 "$P/train-1024-p.jsonl"; synth essays 1024 48 105 "$P/train-1024-e.jsonl"
+interleave "$P/train-1024-p.jsonl" "$P/train-1024-e.jsonl" "$P/stage-1024.jsonl"
+[[ -f "$OUT/train-curriculum-8.jsonl" ]] || { cat "$P/stage-256.jsonl" <(head -n 96 "$P/stage-512.jsonl") "$P/stage-1024.jsonl" > "$OUT/train-curriculum-8.jsonl.tmp" && mv "$OUT/train-curriculum-8.jsonl.tmp" "$OUT/train-curriculum-8.jsonl"; }
 synth procedural 512 50 150 "$P/valid-p.jsonl"; synth essays 512 50 151 "$P/valid-e.jsonl"
 interleave "$P/valid-p.jsonl" "$P/valid-e.jsonl" "$OUT/valid-512.jsonl"
 seed=300
