@@ -74,6 +74,18 @@ data = {data:?}
     cfg
 }
 
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let t = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &t);
+        } else {
+            std::fs::copy(e.path(), t).unwrap();
+        }
+    }
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -276,7 +288,7 @@ fn results_kept_without_their_adapter_are_reported_and_never_added_to() {
         let o = study(&cfg, mode);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{mode:?}: {err}");
-        assert!(err.contains("infomem-s7 holds evaluations (held) but not the adapter") && err.contains("the sets left (again)"), "{err}");
+        assert!(err.contains("infomem-s7 holds evaluations (held) but neither the adapter that made them") && err.contains("the sets left (again)"), "{err}");
         assert!(err.contains("--only, --seeds, or --evals") && err.contains(&format!("rm -r {}", out.join("cells/infomem-s7").display())), "{err}");
     }
     assert!(!out.join("base/eval-again").exists() && !out.join("cells/outcome-s7/eval-again").exists(), "the refused sitting ran something");
@@ -306,16 +318,43 @@ fn results_kept_without_their_adapter_are_reported_and_never_added_to() {
     assert!(o.status.success(), "{}", stderr(&o));
     let pairwise = |d: &Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(d.join("study.json")).unwrap()).unwrap()["pairwise"].clone();
     assert_eq!(pairwise(&out2), pairwise(&out));
+    assert!(kept.join("cells/outcome-s7/train/adapter.sha256").exists() && !kept.join("cells/infomem-s7/train/adapter.sha256").exists());
+
+    // a set added later: the kept adapter is trained again apart and joins the cell only with the
+    // kept bytes (the same binary, machine and threads make the same adapter); then it is evaluated
+    let mut text = std::fs::read_to_string(&cfg2).unwrap();
+    text.push_str(&format!("\n[[evals]]\nname = \"third\"\ndata = {:?}\n", tmp.path().join("data.jsonl").display().to_string()));
+    std::fs::write(&cfg2, text).unwrap();
+    let out3 = tmp.path().join("out3");
+    copy_dir(&out2, &out3);
+    let o = study(&cfg2, &["--dry-run", "--only", "outcome"]);
+    let plan_out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success() && plan_out.contains("outcome-s7: train again to reproduce the kept adapter") && plan_out.contains("cells/outcome-s7/reproduce"), "{plan_out}{}", stderr(&o));
+    let o = study(&cfg2, &["--only", "outcome"]);
+    let err = stderr(&o);
+    assert!(o.status.success() && err.contains("the adapter is the kept one, byte for byte"), "{err}");
+    assert!(out2.join("cells/outcome-s7/eval-third/results.json").exists() && out2.join("cells/outcome-s7/train/adapter/adapter_model.safetensors").exists());
+    assert!(!out2.join("cells/outcome-s7/reproduce").exists());
+    // another hash (as another machine's training would give): refused, the cell untouched
+    let cfg3 = tmp.path().join("carried3.toml");
+    std::fs::write(&cfg3, std::fs::read_to_string(&cfg2).unwrap().replace(&format!("{:?}", out2.display().to_string()), &format!("{:?}", out3.display().to_string()))).unwrap();
+    std::fs::write(out3.join("cells/outcome-s7/train/adapter.sha256"), format!("sha256:{}\n", "0".repeat(64))).unwrap();
+    let o = study(&cfg3, &["--only", "outcome"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("training again did not reproduce the adapter its results were made with") && err.contains("cells/outcome-s7/reproduce"), "{err}");
+    assert!(!out3.join("cells/outcome-s7/eval-third").exists() && !out3.join("cells/outcome-s7/train/adapter").exists());
+
     // a finished result is never replaced, and nothing is restored into a cell with a training of its own
-    std::fs::write(out2.join("cells/outcome-s7/eval-held/results.md"), "edited").unwrap();
-    let o = py(&[Path::new("restore"), &kept, &out2]);
+    std::fs::write(out3.join("cells/outcome-s7/eval-held/results.md"), "edited").unwrap();
+    let o = py(&[Path::new("restore"), &kept, &out3]);
     assert!(!o.status.success() && stderr(&o).contains("exists and differs"), "{}", stderr(&o));
-    assert_eq!(std::fs::read_to_string(out2.join("cells/outcome-s7/eval-held/results.md")).unwrap(), "edited");
-    std::fs::remove_file(out2.join("cells/outcome-s7/eval-held/results.md")).unwrap();
-    std::fs::create_dir_all(out2.join("cells/infomem-s7/train/checkpoints")).unwrap();
-    let o = py(&[Path::new("restore"), &kept, &out2]);
+    assert_eq!(std::fs::read_to_string(out3.join("cells/outcome-s7/eval-held/results.md")).unwrap(), "edited");
+    std::fs::remove_file(out3.join("cells/outcome-s7/eval-held/results.md")).unwrap();
+    std::fs::create_dir_all(out3.join("cells/infomem-s7/train/checkpoints")).unwrap();
+    let o = py(&[Path::new("restore"), &kept, &out3]);
     assert!(!o.status.success() && stderr(&o).contains("has a training of its own"), "{}", stderr(&o));
-    assert!(!out2.join("cells/outcome-s7/eval-held/results.md").exists(), "a refused restore wrote something");
+    assert!(!out3.join("cells/outcome-s7/eval-held/results.md").exists(), "a refused restore wrote something");
 }
 
 #[test]

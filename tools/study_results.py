@@ -5,13 +5,16 @@ carries from one sitting to the next (docs/STUDY.md, "A study over several machi
     python3 tools/study_results.py save OUT DEST      keep study OUT's small files in DEST
     python3 tools/study_results.py restore DEST OUT   lay them back under OUT for `study` to go on
 
-Kept per cell: settings.json, log.txt, train/config.toml, train/metrics.jsonl (once the training
-finished) and every finished evaluation's results.json, results.md and predictions.jsonl (as
+Kept per cell: settings.json, log.txt, train/config.toml, train/metrics.jsonl and
+train/adapter.sha256 (the SHA-256 of adapter_model.safetensors; both once the training finished)
+and every finished evaluation's results.json, results.md and predictions.jsonl (as
 predictions.jsonl.xz: the memories make it the big one); at the top the study's study.json,
 study.md and plots. Not kept: adapters, checkpoints, an evaluation's plots, locks.
 
-A cell restored without its adapter is reported and finished as it is, and `study` refuses to
-add an evaluation to it: that needs the adapter that made the others.
+A cell restored without its adapter is reported and finished as it is. An evaluation added to it
+needs the adapter that made the others: `study` trains it again apart and adds to the cell only
+when the new adapter's bytes have the kept hash (the same binary on the same kind of CPU with the
+same threads makes the same bytes); otherwise it refuses.
 
 Nothing is lost or mixed:
 - a finished evaluation and a finished training never change: a kept file that differs from the
@@ -66,6 +69,16 @@ def put(data: bytes, dst: Path, what: str) -> bool:
     return True
 
 
+def sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
 def kept(rel: Path, src: Path) -> bool:
     """Whether a file of the study directory is one the results keep."""
     parts = rel.parts
@@ -99,6 +112,10 @@ def save(out: Path, dest: Path):
             # no time stamp in an .xz stream: the same answers give the same bytes
             data = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
         n += put(data, dest / rel, str(src))
+    # each finished training's adapter by its hash: what a training again must reproduce
+    for adapter in sorted(out.glob("cells/*/train/adapter/adapter_model.safetensors")):
+        rel = adapter.relative_to(out).parent.parent / "adapter.sha256"
+        n += put((sha256(adapter) + "\n").encode(), dest / rel, str(adapter))
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     print(f"study-results: {n} files of {out} written to {dest} ({size / 1e6:.1f} MB kept there)")
 

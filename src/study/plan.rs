@@ -49,7 +49,22 @@ impl Cell {
         };
         self.seed.is_some() && !self.trained() && has_results()
     }
+    /// The SHA-256 (`sha256:<hex>`) of the adapter a cell's kept results were made with:
+    /// `train/adapter.sha256`, written by tools/study_results.py when it keeps results without
+    /// their weights. A training that makes these very bytes again may add to the cell.
+    pub(super) fn kept_adapter_sha256(&self) -> Option<String> {
+        let text = std::fs::read_to_string(self.train_dir().join(ADAPTER_HASH_FILE)).ok()?;
+        Some(text.trim().to_string()).filter(|s| s.starts_with("sha256:"))
+    }
+    /// Where the adapter of a kept-results cell is trained again, apart, until its bytes are
+    /// shown to be the kept ones.
+    pub(super) fn reproduce_dir(&self) -> PathBuf {
+        self.dir.join("reproduce")
+    }
 }
+
+/// A kept cell's adapter hash (`Cell::kept_adapter_sha256`), beside its training's metrics.
+pub const ADAPTER_HASH_FILE: &str = "adapter.sha256";
 
 /// The cells in run order: the base model first (its evaluations), then seed by seed every arm
 /// (so a study stopped early already has paired arms to compare).
@@ -85,9 +100,13 @@ pub(super) fn common_args(cfg: &StudyConfig) -> Vec<String> {
 
 /// The `train` arguments of an arm's cell as a fresh run (`None` for the base cell).
 pub(super) fn train_args(cfg: &StudyConfig, cell: &Cell) -> Option<Vec<String>> {
+    train_args_into(cfg, cell, &cell.train_dir())
+}
+
+fn train_args_into(cfg: &StudyConfig, cell: &Cell, out: &Path) -> Option<Vec<String>> {
     let seed = cell.seed?;
     let arm = cfg.arms.iter().find(|a| a.name == cell.arm)?;
-    let mut args = vec!["train".to_string(), kv("model", &p(&cfg.model)), kv("out", &p(&cell.train_dir())), kv("seed", &seed.to_string())];
+    let mut args = vec!["train".to_string(), kv("model", &p(&cfg.model)), kv("out", &p(out)), kv("seed", &seed.to_string())];
     args.extend(flags_to_args(&merge(&cfg.train, &arm.flags)));
     args.extend(common_args(cfg));
     Some(args)
@@ -100,9 +119,22 @@ pub fn train_command(cfg: &StudyConfig, cell: &Cell) -> Option<(String, Vec<Stri
     if cell.trained() {
         return None;
     }
-    let mut args = train_args(cfg, cell)?;
-    let dir = cell.train_dir();
-    let what = if crate::rl::trainer::latest_checkpoint(&dir).is_some() {
+    train_command_into(cfg, cell, &cell.train_dir())
+}
+
+/// The training of a kept-results cell's adapter again, into `reproduce/` (resumed like any
+/// other training): `None` unless the cell holds results without their adapter and its kept hash.
+pub fn reproduce_command(cfg: &StudyConfig, cell: &Cell) -> Option<(String, Vec<String>)> {
+    if !cell.results_without_adapter() || cell.kept_adapter_sha256().is_none() {
+        return None;
+    }
+    let (what, args) = train_command_into(cfg, cell, &cell.reproduce_dir())?;
+    Some((what.replacen("train", "train again to reproduce the kept adapter", 1), args))
+}
+
+fn train_command_into(cfg: &StudyConfig, cell: &Cell, dir: &Path) -> Option<(String, Vec<String>)> {
+    let mut args = train_args_into(cfg, cell, dir)?;
+    let what = if crate::rl::trainer::latest_checkpoint(dir).is_some() {
         // the same flags as the first run: `train --resume` refuses any change but --steps & co.
         args.insert(4, "--resume".into());
         "train (resume)"

@@ -1,7 +1,7 @@
 //! Running what is left: the selection of cells, the dry run, the children spawned (logged, dying
 //! with the study), the study directory's lock and the progress line.
 use super::config::{EvalSet, LOCK_FILE, StudyConfig, p};
-use super::plan::{Cell, cells, eval_command, show_cmd, train_command};
+use super::plan::{Cell, cells, eval_command, reproduce_command, show_cmd, train_command};
 use super::identity::{finished, record, record_unrecorded};
 use super::report::report;
 use anyhow::{bail, Context, Result};
@@ -58,19 +58,20 @@ pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>, seeds: Option
         .collect())
 }
 
-/// A cell that holds results but not their adapter gets nothing more: refuse, before anything
-/// runs, a sitting that would evaluate it again (it would need a new training, and two
-/// adapters' results would be mixed in one cell).
+/// A cell that holds results but not their adapter gets nothing more unless its adapter can be
+/// made again byte for byte (its kept hash, `reproduce_command`): refuse, before anything runs,
+/// a sitting that would evaluate it otherwise (two adapters' results would be mixed in one cell).
 fn refuse_adding_to_kept_results(cfg: &StudyConfig, cells: &[Cell], evals: &[&EvalSet]) -> Result<()> {
-    for c in cells.iter().filter(|c| c.results_without_adapter()) {
+    for c in cells.iter().filter(|c| c.results_without_adapter() && c.kept_adapter_sha256().is_none()) {
         let left: Vec<&str> = evals.iter().filter(|e| !c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
         if left.is_empty() {
             continue;
         }
         let held: Vec<&str> = cfg.evals.iter().filter(|e| c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
         bail!(
-            "{} holds evaluations ({}) but not the adapter that made them ({}): the sets left ({}) cannot be run on that adapter, \
-             and training it again would mix two adapters' results in one cell.\n\
+            "{} holds evaluations ({}) but neither the adapter that made them ({}) nor its hash to check a new training against \
+             (train/adapter.sha256, kept by tools/study_results.py): the sets left ({}) cannot be run on that adapter, \
+             and an unchecked training would mix two adapters' results in one cell.\n\
              Restore the adapter, or leave this cell out of the sitting (--only, --seeds, or --evals with finished sets), \
              or delete the cell to train and evaluate it afresh:\n  rm -r {}",
             c.name(),
@@ -100,7 +101,7 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     if o.dry_run {
         println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
         for (i, c) in cells.iter().enumerate() {
-            let cmds: Vec<_> = trains(cfg, c).into_iter().chain(evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
+            let cmds: Vec<_> = trains(cfg, c, &evals).into_iter().chain(evals.iter().filter_map(|e| eval_command(cfg, c, e))).collect();
             if cmds.is_empty() {
                 println!("[cell {}/{total}] {}: finished, skipped", i + 1, c.name());
             }
@@ -123,7 +124,8 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
             continue;
         }
         // what this sitting runs for the cell (an evaluation's command does not depend on the training)
-        let trains = trains(cfg, c);
+        let trains = trains(cfg, c, &evals);
+        let reproducing = c.results_without_adapter() && trains.is_some();
         let eval_cmds: Vec<_> = evals.iter().filter_map(|e| eval_command(cfg, c, e)).collect();
         if trains.is_none() && eval_cmds.is_empty() {
             if c.results_without_adapter() {
@@ -142,6 +144,10 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
             eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
             record(cfg, c, "train")?;
             spawn_logged(&o.exe, &args, &log, &tag)?;
+            if reproducing {
+                adopt_reproduced(c)?;
+                eprintln!("{tag}: the adapter is the kept one, byte for byte ({})", c.kept_adapter_sha256().unwrap_or_default());
+            }
         }
         for (what, args) in eval_cmds {
             eprintln!("{tag}: {what} ... ({})", progress(start, &done_times, left));
@@ -160,13 +166,34 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     Ok(())
 }
 
-/// The training a cell still needs: none for a cell whose results are kept without their adapter
-/// (nothing is added to it: `refuse_adding_to_kept_results`).
-fn trains(cfg: &StudyConfig, c: &Cell) -> Option<(String, Vec<String>)> {
+/// The training a cell still needs. A cell whose results are kept without their adapter gets one
+/// only to reproduce that adapter, and only when an evaluation is left to run on it.
+fn trains(cfg: &StudyConfig, c: &Cell, evals: &[&EvalSet]) -> Option<(String, Vec<String>)> {
     if c.results_without_adapter() {
-        return None;
+        return evals.iter().any(|e| !c.evaluated(&e.name)).then(|| reproduce_command(cfg, c)).flatten();
     }
     train_command(cfg, c)
+}
+
+/// After a kept cell's training again: its adapter must be the kept one, byte for byte, to join
+/// the cell (moved to `train/adapter`, `reproduce/` removed); otherwise the cell is left as it
+/// was and the new training stays apart in `reproduce/`.
+fn adopt_reproduced(c: &Cell) -> Result<()> {
+    let kept = c.kept_adapter_sha256().context("no kept adapter hash")?;
+    let dir = c.reproduce_dir();
+    let made = format!("sha256:{}", crate::util::sha256::sha256_file(&dir.join("adapter/adapter_model.safetensors"))?);
+    if made != kept {
+        bail!(
+            "{}: training again did not reproduce the adapter its results were made with ({made}, kept {kept}): this machine or \
+             build computes otherwise (another CPU kind, thread count or version). The cell's results are untouched; the new training \
+             stays apart in {}. Evaluate this cell where it was made, or delete the cell to train and evaluate it afresh.",
+            c.name(),
+            p(&dir)
+        );
+    }
+    std::fs::rename(dir.join("adapter"), c.adapter()).with_context(|| format!("cannot move the reproduced adapter to {}", p(&c.adapter())))?;
+    std::fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", p(&dir)))?;
+    Ok(())
 }
 
 /// Lock the study directory (created if missing) for this process's lifetime: one study
