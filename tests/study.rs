@@ -344,17 +344,37 @@ fn results_kept_without_their_adapter_are_reported_and_never_added_to() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("training again did not reproduce the adapter its results were made with") && err.contains("cells/outcome-s7/reproduce"), "{err}");
     assert!(!out3.join("cells/outcome-s7/eval-third").exists() && !out3.join("cells/outcome-s7/train/adapter").exists());
+    // the next sitting knows before it trains anything, and names the ways out
+    let o = study(&cfg3, &["--only", "outcome"]);
+    let err = stderr(&o);
+    assert!(o.status.code() == Some(1) && err.contains("did not reproduce") && err.contains("--only, --seeds, or --evals") && !err.contains("to reproduce the kept adapter"), "{err}");
 
-    // a finished result is never replaced, and nothing is restored into a cell with a training of its own
+    // one cell, two adapters (out3's kept hash is another's): refused both ways, nothing written
+    let before = std::fs::read_to_string(kept.join("cells/outcome-s7/train/adapter.sha256")).unwrap();
+    for args in [[Path::new("save"), &out3, &kept], [Path::new("restore"), &kept, &out3]] {
+        let o = py(&args);
+        assert!(!o.status.success() && stderr(&o).contains("hold it with different adapters") && stderr(&o).contains("Nothing was written"), "{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read_to_string(kept.join("cells/outcome-s7/train/adapter.sha256")).unwrap(), before);
+    std::fs::write(out3.join("cells/outcome-s7/train/adapter.sha256"), &before).unwrap();
+    // a finished result is never replaced, and a refusal writes nothing
     std::fs::write(out3.join("cells/outcome-s7/eval-held/results.md"), "edited").unwrap();
+    std::fs::remove_file(out3.join("cells/outcome-s7/eval-held/results.json")).unwrap();
     let o = py(&[Path::new("restore"), &kept, &out3]);
     assert!(!o.status.success() && stderr(&o).contains("exists and differs"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out3.join("cells/outcome-s7/eval-held/results.md")).unwrap(), "edited");
+    assert!(!out3.join("cells/outcome-s7/eval-held/results.json").exists(), "a refused restore wrote something");
+    // nothing is restored into a cell whose training there is under way
     std::fs::remove_file(out3.join("cells/outcome-s7/eval-held/results.md")).unwrap();
     std::fs::create_dir_all(out3.join("cells/infomem-s7/train/checkpoints")).unwrap();
     let o = py(&[Path::new("restore"), &kept, &out3]);
-    assert!(!o.status.success() && stderr(&o).contains("has a training of its own"), "{}", stderr(&o));
+    assert!(!o.status.success() && stderr(&o).contains("has a training of its own under way"), "{}", stderr(&o));
     assert!(!out3.join("cells/outcome-s7/eval-held/results.md").exists(), "a refused restore wrote something");
+    // and where it is not: every kept file is laid back
+    std::fs::remove_dir_all(out3.join("cells/infomem-s7/train")).unwrap();
+    let o = py(&[Path::new("restore"), &kept, &out3]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out3.join("cells/outcome-s7/eval-held/results.json").exists());
 }
 
 #[test]

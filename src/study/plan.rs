@@ -37,17 +37,24 @@ impl Cell {
     pub(super) fn evaluated(&self, eval: &str) -> bool {
         self.eval_dir(eval).join("results.json").exists()
     }
+    /// The sets whose evaluation finished in this cell (`eval-*/results.json`), named by the study
+    /// file or not.
+    pub(super) fn finished_sets(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().join("results.json").exists())
+            .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("eval-").map(str::to_string))
+            .collect();
+        v.sort();
+        v
+    }
     /// An arm's cell that holds finished evaluations but not the adapter that made them (its
     /// results were kept without their weights, e.g. carried to another machine): what it holds
-    /// is reported, nothing is added to it (a new training would mix two adapters' results).
-    /// (Any `eval-*/results.json` counts, of a set the study file still names or not.)
+    /// is reported; an evaluation is added only on that very adapter (`reproduce_command`).
     pub(super) fn results_without_adapter(&self) -> bool {
-        let has_results = || {
-            std::fs::read_dir(&self.dir).into_iter().flatten().flatten().any(|e| {
-                e.file_name().to_string_lossy().starts_with("eval-") && e.path().join("results.json").exists()
-            })
-        };
-        self.seed.is_some() && !self.trained() && has_results()
+        self.seed.is_some() && !self.trained() && !self.finished_sets().is_empty()
     }
     /// The SHA-256 (`sha256:<hex>`) of the adapter a cell's kept results were made with:
     /// `train/adapter.sha256`, written by tools/study_results.py when it keeps results without
@@ -122,10 +129,12 @@ pub fn train_command(cfg: &StudyConfig, cell: &Cell) -> Option<(String, Vec<Stri
     train_command_into(cfg, cell, &cell.train_dir())
 }
 
-/// The training of a kept-results cell's adapter again, into `reproduce/` (resumed like any
-/// other training): `None` unless the cell holds results without their adapter and its kept hash.
+/// The training of a kept cell's adapter again, into `reproduce/` (resumed like any other
+/// training): `None` unless the cell has a kept adapter hash and no adapter. (A kept hash means
+/// the cell was trained elsewhere: whatever is added to it must come from that adapter, results
+/// or not.)
 pub fn reproduce_command(cfg: &StudyConfig, cell: &Cell) -> Option<(String, Vec<String>)> {
-    if !cell.results_without_adapter() || cell.kept_adapter_sha256().is_none() {
+    if cell.trained() || cell.kept_adapter_sha256().is_none() {
         return None;
     }
     let (what, args) = train_command_into(cfg, cell, &cell.reproduce_dir())?;

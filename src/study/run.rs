@@ -60,28 +60,52 @@ pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>, seeds: Option
 
 /// A cell that holds results but not their adapter gets nothing more unless its adapter can be
 /// made again byte for byte (its kept hash, `reproduce_command`): refuse, before anything runs,
-/// a sitting that would evaluate it otherwise (two adapters' results would be mixed in one cell).
-fn refuse_adding_to_kept_results(cfg: &StudyConfig, cells: &[Cell], evals: &[&EvalSet]) -> Result<()> {
-    for c in cells.iter().filter(|c| c.results_without_adapter() && c.kept_adapter_sha256().is_none()) {
+/// a sitting that would evaluate it otherwise (two adapters' results would be mixed in one cell),
+/// or whose training again already gave other bytes (`reproduce/adapter`).
+fn refuse_adding_to_kept_results(cells: &[Cell], evals: &[&EvalSet]) -> Result<()> {
+    const WAYS_OUT: &str = "leave this cell out of the sitting (--only, --seeds, or --evals with finished sets)";
+    for c in cells.iter().filter(|c| c.seed.is_some() && !c.trained()) {
         let left: Vec<&str> = evals.iter().filter(|e| !c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
         if left.is_empty() {
             continue;
         }
-        let held: Vec<&str> = cfg.evals.iter().filter(|e| c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
-        bail!(
-            "{} holds evaluations ({}) but neither the adapter that made them ({}) nor its hash to check a new training against \
-             (train/adapter.sha256, kept by tools/study_results.py): the sets left ({}) cannot be run on that adapter, \
-             and an unchecked training would mix two adapters' results in one cell.\n\
-             Restore the adapter, or leave this cell out of the sitting (--only, --seeds, or --evals with finished sets), \
-             or delete the cell to train and evaluate it afresh:\n  rm -r {}",
-            c.name(),
-            held.join(", "),
-            p(&c.adapter()),
-            left.join(", "),
-            p(&c.dir)
-        );
+        match c.kept_adapter_sha256() {
+            None if c.results_without_adapter() => bail!(
+                "{} holds evaluations ({}) but neither the adapter that made them ({}) nor its hash to check a new training against \
+                 (train/adapter.sha256, kept by tools/study_results.py): the sets left ({}) cannot be run on that adapter, \
+                 and an unchecked training would mix two adapters' results in one cell.\n\
+                 Restore the adapter, or {WAYS_OUT}, or delete the cell to train and evaluate it afresh:\n  rm -r {}",
+                c.name(),
+                c.finished_sets().join(", "),
+                p(&c.adapter()),
+                left.join(", "),
+                p(&c.dir)
+            ),
+            Some(kept) => {
+                let made = c.reproduce_dir().join("adapter/adapter_model.safetensors");
+                if made.exists() {
+                    let h = format!("sha256:{}", crate::util::sha256::sha256_file(&made)?);
+                    if h != kept {
+                        bail!("{}", not_reproduced(c, &h, &kept));
+                    }
+                }
+            }
+            None => {}
+        }
     }
     Ok(())
+}
+
+/// Why a kept cell's training again cannot join it, and the ways out.
+fn not_reproduced(c: &Cell, made: &str, kept: &str) -> String {
+    format!(
+        "{}: training again did not reproduce the adapter its results were made with ({made}, kept {kept}): this machine or \
+         build computes otherwise (another CPU kind, thread count or version). The cell's results are untouched; the new training \
+         stays apart in {}. Evaluate this cell where it was made, or leave it out of the sitting (--only, --seeds, or --evals with \
+         finished sets), or delete the cell to train and evaluate it afresh.",
+        c.name(),
+        p(&c.reproduce_dir())
+    )
 }
 
 /// The evaluation sets of this sitting: all, or those `--evals` names (each must exist).
@@ -96,7 +120,7 @@ pub(super) fn selected_evals<'c>(cfg: &'c StudyConfig, names: Option<&[String]>)
 pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     let cells = selected(cfg, o.only, o.seeds)?;
     let evals = selected_evals(cfg, o.evals)?;
-    refuse_adding_to_kept_results(cfg, &cells, &evals)?;
+    refuse_adding_to_kept_results(&cells, &evals)?;
     let total = cells.len();
     if o.dry_run {
         println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
@@ -125,11 +149,11 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
         }
         // what this sitting runs for the cell (an evaluation's command does not depend on the training)
         let trains = trains(cfg, c, &evals);
-        let reproducing = c.results_without_adapter() && trains.is_some();
+        let reproducing = !c.trained() && c.kept_adapter_sha256().is_some() && trains.is_some();
         let eval_cmds: Vec<_> = evals.iter().filter_map(|e| eval_command(cfg, c, e)).collect();
         if trains.is_none() && eval_cmds.is_empty() {
             if c.results_without_adapter() {
-                eprintln!("{tag}: nothing selected is left (its results are kept without their adapter: no evaluation can be added)");
+                eprintln!("{tag}: nothing selected is left (its results are kept without their adapter; a sitting with a set it lacks trains that adapter again, checked by its kept hash)");
             } else {
                 eprintln!("{tag}: nothing selected is left (its other evaluation sets run in a sitting without --evals)");
             }
@@ -166,10 +190,10 @@ pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     Ok(())
 }
 
-/// The training a cell still needs. A cell whose results are kept without their adapter gets one
-/// only to reproduce that adapter, and only when an evaluation is left to run on it.
+/// The training a cell still needs. A cell kept without its adapter (a kept hash, or results)
+/// gets one only to reproduce that adapter, and only when an evaluation is left to run on it.
 fn trains(cfg: &StudyConfig, c: &Cell, evals: &[&EvalSet]) -> Option<(String, Vec<String>)> {
-    if c.results_without_adapter() {
+    if !c.trained() && (c.kept_adapter_sha256().is_some() || c.results_without_adapter()) {
         return evals.iter().any(|e| !c.evaluated(&e.name)).then(|| reproduce_command(cfg, c)).flatten();
     }
     train_command(cfg, c)
@@ -183,13 +207,7 @@ fn adopt_reproduced(c: &Cell) -> Result<()> {
     let dir = c.reproduce_dir();
     let made = format!("sha256:{}", crate::util::sha256::sha256_file(&dir.join("adapter/adapter_model.safetensors"))?);
     if made != kept {
-        bail!(
-            "{}: training again did not reproduce the adapter its results were made with ({made}, kept {kept}): this machine or \
-             build computes otherwise (another CPU kind, thread count or version). The cell's results are untouched; the new training \
-             stays apart in {}. Evaluate this cell where it was made, or delete the cell to train and evaluate it afresh.",
-            c.name(),
-            p(&dir)
-        );
+        bail!("{}", not_reproduced(c, &made, &kept));
     }
     std::fs::rename(dir.join("adapter"), c.adapter()).with_context(|| format!("cannot move the reproduced adapter to {}", p(&c.adapter())))?;
     std::fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", p(&dir)))?;
@@ -219,7 +237,8 @@ pub fn report_only(cfg: &StudyConfig) -> Result<Value> {
 /// The cells among these that still have to be trained (an arm's cell without its adapter):
 /// what the ETA multiplies the mean training cell's time by.
 pub(super) fn to_train(cells: &[Cell]) -> usize {
-    cells.iter().filter(|c| !c.trained() && !c.results_without_adapter()).count()
+    // a kept cell without a hash is never trained; one with a hash is trained again (to reproduce it)
+    cells.iter().filter(|c| !c.trained() && !(c.results_without_adapter() && c.kept_adapter_sha256().is_none())).count()
 }
 
 /// `elapsed …, ETA …`: the mean time of the cells trained in this sitting times the cells left
