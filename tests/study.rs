@@ -335,6 +335,17 @@ fn results_kept_without_their_adapter_are_reported_and_never_added_to() {
     assert!(o.status.success() && err.contains("the adapter is the kept one, byte for byte"), "{err}");
     assert!(out2.join("cells/outcome-s7/eval-third/results.json").exists() && out2.join("cells/outcome-s7/train/adapter/adapter_model.safetensors").exists());
     assert!(!out2.join("cells/outcome-s7/reproduce").exists());
+    // a kept hash without results yet (trained elsewhere, not evaluated): trained again to that hash, never afresh
+    let out4 = tmp.path().join("out4");
+    std::fs::create_dir_all(out4.join("cells/outcome-s7/train")).unwrap();
+    for f in ["train/adapter.sha256", "train/config.toml", "train/metrics.jsonl", "settings.json"] {
+        std::fs::copy(kept.join("cells/outcome-s7").join(f), out4.join("cells/outcome-s7").join(f)).unwrap();
+    }
+    let cfg4 = tmp.path().join("carried4.toml");
+    std::fs::write(&cfg4, std::fs::read_to_string(&cfg2).unwrap().replace(&format!("{:?}", out2.display().to_string()), &format!("{:?}", out4.display().to_string()))).unwrap();
+    let o = study(&cfg4, &["--dry-run", "--only", "outcome"]);
+    let plan_out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success() && plan_out.contains("outcome-s7: train again to reproduce the kept adapter") && !plan_out.contains("train (restart)"), "{plan_out}{}", stderr(&o));
     // another hash (as another machine's training would give): refused, the cell untouched
     let cfg3 = tmp.path().join("carried3.toml");
     std::fs::write(&cfg3, std::fs::read_to_string(&cfg2).unwrap().replace(&format!("{:?}", out2.display().to_string()), &format!("{:?}", out3.display().to_string()))).unwrap();
