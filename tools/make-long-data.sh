@@ -13,6 +13,8 @@
 #   heldout-{procedural,essays}-{512,1024,2048,4096,8192}.jsonl
 #                           100 questions per filler and length: 1×, 2×, 4×, 8×, 16× the training
 #                           length; every arm answers the same questions (paired)
+#   heldout-{procedural,essays}-16384.jsonl
+#                           100 per filler at 16,384 tokens: 16× the 8-chunk stage (study-long-8)
 #
 # Usage: tools/make-long-data.sh [OUT_DIR]   (default runs/study-long; existing files are kept)
 set -euo pipefail
@@ -56,4 +58,7 @@ for f in procedural essays; do
         seed=$((seed + 1))
     done
 done
+# 16× the 8-chunk recipe's last stage (examples/study-long-8.toml)
+synth procedural 16384 100 310 "$OUT/heldout-procedural-16384.jsonl"
+synth essays 16384 100 311 "$OUT/heldout-essays-16384.jsonl"
 wc -l "$OUT"/*.jsonl >&2
