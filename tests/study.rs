@@ -330,6 +330,13 @@ fn results_kept_without_their_adapter_are_reported_and_never_added_to() {
     let o = study(&cfg2, &["--dry-run", "--only", "outcome"]);
     let plan_out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(o.status.success() && plan_out.contains("outcome-s7: train again to reproduce the kept adapter") && plan_out.contains("cells/outcome-s7/reproduce"), "{plan_out}{}", stderr(&o));
+    // another thread count gives other bytes: refused before the training, naming the kept one
+    let cfg2t = tmp.path().join("carried-threads.toml");
+    std::fs::write(&cfg2t, std::fs::read_to_string(&cfg2).unwrap().replace("threads = 1", "threads = 2")).unwrap();
+    let o = study(&cfg2t, &["--only", "outcome"]);
+    let err = stderr(&o);
+    assert!(o.status.code() == Some(1) && err.contains("outcome-s7: its kept adapter was trained with --threads=1") && err.contains("Set `threads = 1`"), "{err}");
+    assert!(!out2.join("cells/outcome-s7/reproduce").exists(), "the refused sitting trained");
     let o = study(&cfg2, &["--only", "outcome"]);
     let err = stderr(&o);
     assert!(o.status.success() && err.contains("the adapter is the kept one, byte for byte"), "{err}");

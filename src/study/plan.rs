@@ -68,6 +68,23 @@ impl Cell {
     pub(super) fn reproduce_dir(&self) -> PathBuf {
         self.dir.join("reproduce")
     }
+    /// The SHA-256 of the adapter trained again in `reproduce/`, in the form of
+    /// `kept_adapter_sha256` (`None` until that training has finished).
+    pub(super) fn reproduced_sha256(&self) -> anyhow::Result<Option<String>> {
+        let made = self.reproduce_dir().join("adapter/adapter_model.safetensors");
+        if !made.exists() {
+            return Ok(None);
+        }
+        Ok(Some(format!("sha256:{}", crate::util::sha256::sha256_file(&made)?)))
+    }
+    /// The thread count the cell's adapter was first trained with: `--threads=N` of the first
+    /// `train` command in its log (`None` when the log is gone or gave none: all cores, unknown
+    /// here). The bytes of a training depend on it, so a reproduction is checked against it.
+    pub(super) fn trained_threads(&self) -> Option<usize> {
+        let log = std::fs::read_to_string(self.dir.join("log.txt")).ok()?;
+        let cmd = log.lines().filter_map(|l| l.strip_prefix("== t=")).find(|l| l.split_whitespace().nth(2) == Some("train"))?;
+        cmd.split_whitespace().find_map(|a| a.strip_prefix("--threads=")).and_then(|n| n.parse().ok()).filter(|&n| n > 0)
+    }
 }
 
 /// A kept cell's adapter hash (`Cell::kept_adapter_sha256`), beside its training's metrics.

@@ -62,7 +62,7 @@ pub(super) fn selected(cfg: &StudyConfig, only: Option<&[String]>, seeds: Option
 /// made again byte for byte (its kept hash, `reproduce_command`): refuse, before anything runs,
 /// a sitting that would evaluate it otherwise (two adapters' results would be mixed in one cell),
 /// or whose training again already gave other bytes (`reproduce/adapter`).
-fn refuse_adding_to_kept_results(cells: &[Cell], evals: &[&EvalSet]) -> Result<()> {
+fn refuse_adding_to_kept_results(cfg: &StudyConfig, cells: &[Cell], evals: &[&EvalSet]) -> Result<()> {
     const WAYS_OUT: &str = "leave this cell out of the sitting (--only, --seeds, or --evals with finished sets)";
     for c in cells.iter().filter(|c| c.seed.is_some() && !c.trained()) {
         let left: Vec<&str> = evals.iter().filter(|e| !c.evaluated(&e.name)).map(|e| e.name.as_str()).collect();
@@ -81,15 +81,21 @@ fn refuse_adding_to_kept_results(cells: &[Cell], evals: &[&EvalSet]) -> Result<(
                 left.join(", "),
                 p(&c.dir)
             ),
-            Some(kept) => {
-                let made = c.reproduce_dir().join("adapter/adapter_model.safetensors");
-                if made.exists() {
-                    let h = format!("sha256:{}", crate::util::sha256::sha256_file(&made)?);
-                    if h != kept {
-                        bail!("{}", not_reproduced(c, &h, &kept));
-                    }
-                }
-            }
+            Some(kept) => match c.reproduced_sha256()? {
+                Some(made) if made != kept => bail!("{}", not_reproduced(c, &made, &kept)),
+                Some(_) => {}
+                // not trained again yet: a thread count other than the first training's gives
+                // other bytes, found only after the whole training; refuse it now
+                None => match (c.trained_threads(), cfg.threads.filter(|&t| t > 0)) {
+                    (Some(then), Some(now)) if then != now => bail!(
+                        "{}: its kept adapter was trained with --threads={then} (its log.txt) and this study runs --threads={now}: \
+                         training again with another thread count does not give the same bytes, so it could never join the cell. \
+                         Set `threads = {then}` in the study file, or {WAYS_OUT}.",
+                        c.name()
+                    ),
+                    _ => {}
+                },
+            },
             None => {}
         }
     }
@@ -120,7 +126,7 @@ pub(super) fn selected_evals<'c>(cfg: &'c StudyConfig, names: Option<&[String]>)
 pub fn run(cfg: &StudyConfig, o: &RunOptions) -> Result<()> {
     let cells = selected(cfg, o.only, o.seeds)?;
     let evals = selected_evals(cfg, o.evals)?;
-    refuse_adding_to_kept_results(&cells, &evals)?;
+    refuse_adding_to_kept_results(cfg, &cells, &evals)?;
     let total = cells.len();
     if o.dry_run {
         println!("study {}: {} cells ({} arms, {} seed(s), + base), {} evaluation set(s)", p(&cfg.out), total, cfg.arms.len(), cfg.seeds.len(), cfg.evals.len());
@@ -205,7 +211,7 @@ fn trains(cfg: &StudyConfig, c: &Cell, evals: &[&EvalSet]) -> Option<(String, Ve
 fn adopt_reproduced(c: &Cell) -> Result<()> {
     let kept = c.kept_adapter_sha256().context("no kept adapter hash")?;
     let dir = c.reproduce_dir();
-    let made = format!("sha256:{}", crate::util::sha256::sha256_file(&dir.join("adapter/adapter_model.safetensors"))?);
+    let made = c.reproduced_sha256()?.context("the training again left no adapter")?;
     if made != kept {
         bail!("{}", not_reproduced(c, &made, &kept));
     }
