@@ -5,7 +5,8 @@
 
 EVAL_DIR holds `predictions.jsonl` (or `predictions.jsonl.xz`, as tools/study_results.py keeps
 it); DATA is the set it was run on (its `meta` names each planted fact and its role). Per
-directory, one line: right; wrong with the gold in the final memory; wrong answering a decoy's
+directory, one line: right; wrong with the gold in the final memory (of which: the gold cut short, as a reply that
+runs out of answer tokens gives it, and a decoy's code); wrong answering a decoy's
 code (the answer is the code of another person planted in the document); wrong otherwise; and
 of all questions, those whose final memory was degenerate (a word or number repeated 5+ times
 in a row, the failure greedy decoding falls into over many rewrites).
@@ -66,8 +67,10 @@ def main(argv):
         decoy = sum(not p.get("in_final") and any(c in re.findall(r"\d+", p["answer"]) for c in dec[p["id"]]) for p in wrong)
         # a wrong answer from a final memory holding the gold: whose code did it give?
         decoy_in_final = sum(bool(p.get("in_final")) and any(c in re.findall(r"\d+", p["answer"]) for c in dec[p["id"]]) for p in wrong)
+        # ... or the gold cut short (the reply ran out of answer tokens before the code's end)
+        cut = sum(bool(p.get("in_final")) and p["answer"] != "" and any(a.startswith(p["answer"]) for a in p["answers"]) for p in wrong)
         degenerate = sum(bool(REPEAT.search((p.get("memories") or [""])[-1])) for p in preds)
-        print(f"| {d} | {n} | {right} | {in_final} ({decoy_in_final} the decoy's) | {decoy} | {len(wrong) - in_final - decoy} | {degenerate} |")
+        print(f"| {d} | {n} | {right} | {in_final} ({cut} cut short, {decoy_in_final} the decoy's) | {decoy} | {len(wrong) - in_final - decoy} | {degenerate} |")
 
 
 if __name__ == "__main__":
