@@ -69,6 +69,10 @@ fn check_eval(out: &Path) -> Vec<Value> {
                 None => assert_eq!(n, 0, "{name} of {r}"),
             }
         }
+        // the share of answers cut by the budget is the records' own
+        let cut = count(&|p| p["answer_cut"] == true);
+        assert!(of.iter().all(|p| p["answer_cut"].is_boolean()), "{r}");
+        assert!((r["answer_cut"].as_f64().unwrap() - cut as f64 / of.len() as f64).abs() < 1e-12, "{r}");
         // em given in final / not in final split the row's right answers
         let right = count(&|p| p["em"].as_f64().unwrap() >= 0.5);
         assert_eq!(c["em_in_final"]["k"].as_u64().unwrap() + c["em_not_in_final"]["k"].as_u64().unwrap(), right as u64, "{r}");
@@ -135,4 +139,13 @@ fn eval_records_capture_and_retention_per_question_and_length() {
     assert!(preds.iter().all(|p| p["planted_chunk"].is_null()));
     let md = std::fs::read_to_string(out2.join("results.md")).unwrap();
     assert!(md.contains("| not recorded |"), "{md}");
+
+    // a one-token answer budget: every answer is cut (the tiny model ends none in one token),
+    // said per record, in results.json and in results.md's accuracy table
+    let out3 = t.join("ev3");
+    a.ok("eval", &plain, &out3, &["--no-memory-curve", "--answer-tokens", "1"]);
+    let preds = check_eval(&out3);
+    assert!(preds.iter().all(|p| p["answer_cut"] == true), "{preds:?}");
+    let md = std::fs::read_to_string(out3.join("results.md")).unwrap();
+    assert!(md.contains("| answers cut by the budget |") && md.contains("| 100% |"), "{md}");
 }

@@ -132,6 +132,11 @@ pub struct Trajectory {
 }
 
 impl Trajectory {
+    /// Whether the final answer ran out of its token budget (`answer_tokens`) before it ended:
+    /// a long-winded reply cut before the answer's last characters (`None` before it is given).
+    pub fn answer_cut(&self) -> Option<bool> {
+        self.turns.last().filter(|t| t.kind == ConvKind::Final).map(|t| t.finish == Finish::Length)
+    }
     /// Rollout `rollout` of query `query_index` before its first turn: memory `M_0 = empty_memory`.
     pub fn start(query_id: &str, query_index: usize, rollout: usize, empty_memory: &str, golds: &[String], memory_curve: bool) -> Self {
         Trajectory {

@@ -541,7 +541,7 @@ fn eval_on<B: Backend>(model: &Model<B>, a: &EvalArgs) -> Result<()> {
             preds,
             "{}",
             json!({"id": r.id, "task": task, "length": len, "question": r.question, "answers": r.answers, "answer": t.answer,
-                   "raw_answer": t.raw_answer, "em": t.em, "sub_em": t.sub_em, "f1": t.f1, "gain": t.gain,
+                   "raw_answer": t.raw_answer, "answer_cut": t.answer_cut(), "em": t.em, "sub_em": t.sub_em, "f1": t.f1, "gain": t.gain,
                    "chunks": c.held.len(), "captured": c.captured, "in_final": c.in_final, "first_captured_chunk": c.first_captured_chunk,
                    "lost_at_chunk": c.lost_at_chunk, "regained": c.regained, "held": c.held, "planted_chunk": ev.planted_chunk,
                    "memory_curve": t.memory_curve, "memories": t.memories})

@@ -43,6 +43,10 @@ pub struct EvalRow {
     /// Share of memory updates answered with the keep action (templates with `keep` only).
     #[serde(default)]
     pub keep_share: Option<f64>,
+    /// Share of final answers cut by the answer budget (`answer_tokens` generated without an
+    /// end): a reply that restates the question first can lose the answer's last characters.
+    #[serde(default)]
+    pub answer_cut: Option<f64>,
 }
 
 /// Length buckets for documents of measured (unpadded) lengths: sorted, a bucket grows while a
@@ -138,14 +142,18 @@ fn row(task: String, length: usize, its: &[&Evaluated]) -> EvalRow {
             let (k, u) = ts.iter().fold((0, 0), |(k, u), t| (k + t.kept.iter().filter(|&&x| x).count(), u + t.kept.len()));
             if u == 0 { None } else { Some(k as f64 / u as f64) }
         },
+        answer_cut: {
+            let cut: Vec<bool> = ts.iter().filter_map(|t| t.answer_cut()).collect();
+            if cut.is_empty() { None } else { Some(cut.iter().filter(|&&c| c).count() as f64 / cut.len() as f64) }
+        },
     }
 }
 
 pub fn markdown_table(rows: &[EvalRow]) -> String {
     // the keep column only where the templates had a keep action
     let keeps = rows.iter().any(|r| r.keep_share.is_some());
-    let mut s = String::from("| task | length (tokens) | n | em | sub_em | f1 | mean gain | lost after peak |");
-    s.push_str(if keeps { " updates kept |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" } else { "\n|---|---:|---:|---:|---:|---:|---:|---:|\n" });
+    let mut s = String::from("| task | length (tokens) | n | em | sub_em | f1 | mean gain | lost after peak | answers cut by the budget |");
+    s.push_str(if keeps { " updates kept |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n" } else { "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" });
     for r in rows {
         let keep = match (keeps, r.keep_share) {
             (false, _) => String::new(),
@@ -153,7 +161,7 @@ pub fn markdown_table(rows: &[EvalRow]) -> String {
             (true, None) => " – |".into(),
         };
         s.push_str(&format!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} |{keep}\n",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} |{keep}\n",
             if r.is_overall() { "**all**".to_string() } else { r.task.clone() },
             if r.is_overall() { "all".to_string() } else { r.length.to_string() },
             r.n,
@@ -162,6 +170,7 @@ pub fn markdown_table(rows: &[EvalRow]) -> String {
             r.f1,
             r.mean_gain.map(|g| format!("{g:+.3}")).unwrap_or_else(|| "–".into()),
             r.lost_after_peak.map(|g| format!("{:.0}%", 100.0 * g)).unwrap_or_else(|| "–".into()),
+            r.answer_cut.map(|g| format!("{:.0}%", 100.0 * g)).unwrap_or_else(|| "–".into()),
         ));
     }
     s
@@ -347,12 +356,17 @@ mod tests {
 
     #[test]
     fn summary_ends_with_an_overall_row() {
-        let mk = |em: f64| {
+        use crate::agent::{ConvKind, Turn};
+        use crate::runtime::Finish;
+        let mk = |em: f64, finish: Finish| {
             let mut t = Trajectory::start("q", 0, 0, "(empty)", &["1".to_string()], false);
             (t.em, t.sub_em, t.f1) = (em, em, em);
+            let turn = |kind, finish| Turn { kind, conv: Default::default(), prefix_len: 0, gen_logprobs: vec![], finish, step_s: 0.0 };
+            // an update that ran out of tokens is not an answer cut
+            t.turns = vec![turn(ConvKind::Update, Finish::Length), turn(ConvKind::Final, finish)];
             t
         };
-        let ts = [mk(1.0), mk(0.0), mk(1.0), mk(1.0)];
+        let ts = [mk(1.0, Finish::Eos), mk(0.0, Finish::Length), mk(1.0, Finish::Eos), mk(1.0, Finish::Stop)];
         let items: Vec<Evaluated> = ts
             .iter()
             .zip([("a", 100), ("a", 100), ("a", 400), ("b", 100)])
@@ -364,8 +378,10 @@ mod tests {
         let all = rows.last().unwrap();
         assert!(all.is_overall());
         assert_eq!((all.n, all.em), (4, 0.75));
+        // one answer of the four ran out of its budget: a's 100-token row holds it
+        assert_eq!((rows[0].answer_cut, all.answer_cut, rows[1].answer_cut), (Some(0.5), Some(0.25), Some(0.0)));
         let md = markdown_table(&rows);
-        assert!(md.lines().last().unwrap().starts_with("| **all** | all | 4 | 0.750 |"), "{md}");
+        assert!(md.lines().last().unwrap().starts_with("| **all** | all | 4 | 0.750 |") && md.lines().last().unwrap().ends_with("| 25% |"), "{md}");
     }
 
     #[test]
