@@ -15,6 +15,8 @@ pub(super) struct Pred {
     pub(super) em: f64,
     pub(super) captured: Option<bool>,
     pub(super) in_final: Option<bool>,
+    /// Whether the answer used its whole token budget without ending (`None`: not recorded).
+    pub(super) answer_cut: Option<bool>,
 }
 
 pub(super) fn read_preds(dir: &Path) -> Result<Vec<Pred>> {
@@ -30,7 +32,7 @@ pub(super) fn read_preds(dir: &Path) -> Result<Vec<Pred>> {
         };
         let length = r["length"].as_f64().unwrap_or(0.0);
         let em = r["em"].as_f64().with_context(|| format!("{} line {}: no numeric `em`", path.display(), i + 1))?;
-        v.push(Pred { key: format!("{id}@{length}"), length, em, captured: r["captured"].as_bool(), in_final: r["in_final"].as_bool() });
+        v.push(Pred { key: format!("{id}@{length}"), length, em, captured: r["captured"].as_bool(), in_final: r["in_final"].as_bool(), answer_cut: r["answer_cut"].as_bool() });
     }
     Ok(v)
 }

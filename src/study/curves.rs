@@ -170,7 +170,7 @@ mod tests {
 
     #[test]
     fn table_lists_every_length_and_the_ratio() {
-        let mk = |em: f64, n: usize, len: f64| (0..n).map(|i| Pred { key: format!("q{i}@{len}"), length: len, em, captured: None, in_final: None }).collect::<Vec<_>>();
+        let mk = |em: f64, n: usize, len: f64| (0..n).map(|i| Pred { key: format!("q{i}@{len}"), length: len, em, captured: None, in_final: None, answer_cut: None }).collect::<Vec<_>>();
         let (s, l) = (mk(1.0, 10, 512.0), mk(0.0, 10, 8192.0));
         assert_eq!((set_length(&s), set_length(&l)), (512, 8192));
         let mut by_length = BTreeMap::new();

@@ -30,12 +30,12 @@ fn share(seeds: &[Vec<f64>]) -> (f64, (f64, f64), usize) {
 /// The capture table of one evaluation set (Markdown) and its rows (study.json).
 pub(super) fn table(eval: &str, runs: &[Run]) -> (String, Vec<Value>) {
     let mut md = String::from(
-        "\nCapture and retention of the gold answer (docs/DESIGN.md §1.9; the eval's results.md legend): captured = some memory held it, in final = the final memory held it, kept = in final of those captured; n = questions × seeds; 95 % intervals as above.\n\n| arm | length | n | captured | in final | kept \\| captured |\n|---|---:|---:|---|---|---|\n",
+        "\nCapture and retention of the gold answer (docs/DESIGN.md §1.9; the eval's results.md legend): captured = some memory held it, in final = the final memory held it, kept = in final of those captured; em \\| in final = right of those whose final memory held it (low: the answer step fails with the answer in hand); answers cut = the answer ran out of its token budget (– where not recorded); n = questions × seeds; 95 % intervals as above.\n\n| arm | length | n | captured | in final | kept \\| captured | em \\| in final | answers cut |\n|---|---:|---:|---|---|---|---|---|\n",
     );
     let mut rows = Vec::new();
     for r in runs {
         if !recorded(r) {
-            md.push_str(&format!("| {} | – | – | not recorded | not recorded | not recorded |\n", r.name));
+            md.push_str(&format!("| {} | – | – | not recorded | not recorded | not recorded | not recorded | – |\n", r.name));
             rows.push(json!({"eval": eval, "arm": r.name, "recorded": false}));
             continue;
         }
@@ -48,10 +48,25 @@ pub(super) fn table(eval: &str, runs: &[Run]) -> (String, Vec<Value>) {
             let cap = share(&at(&|x| Some(one(x.captured))));
             let fin = share(&at(&|x| Some(one(x.in_final))));
             let kept = share(&at(&|x| (x.captured == Some(true)).then(|| one(x.in_final))));
+            let em_fin = share(&at(&|x| (x.in_final == Some(true)).then_some(x.em)));
+            let all_cut = r.seeds.iter().all(|ps| ps.iter().filter(|x| x.length as u64 == l).all(|x| x.answer_cut.is_some()));
+            let cut = all_cut.then(|| share(&at(&|x| Some(one(x.answer_cut)))));
             let cell = |(m, ci, _): (f64, (f64, f64), usize)| if m.is_finite() { format!("{} {}", f3(m), ci_md(ci)) } else { "–".into() };
-            md.push_str(&format!("| {} | {l} | {} | {} | {} | {} (of {}) |\n", r.name, cap.2, cell(cap), cell(fin), cell(kept), kept.2));
+            md.push_str(&format!(
+                "| {} | {l} | {} | {} | {} | {} (of {}) | {} (of {}) | {} |\n",
+                r.name,
+                cap.2,
+                cell(cap),
+                cell(fin),
+                cell(kept),
+                kept.2,
+                cell(em_fin),
+                em_fin.2,
+                cut.map_or("–".into(), cell)
+            ));
             let js = |(m, ci, n): (f64, (f64, f64), usize)| json!({"share": num(m), "ci95": ci_json(ci), "n": n});
-            per_len.push(json!({"length": l, "n": cap.2, "captured": js(cap), "in_final": js(fin), "kept_given_captured": js(kept)}));
+            per_len.push(json!({"length": l, "n": cap.2, "captured": js(cap), "in_final": js(fin), "kept_given_captured": js(kept),
+                "em_given_in_final": js(em_fin), "answer_cut": cut.map(js)}));
         }
         rows.push(json!({"eval": eval, "arm": r.name, "recorded": true, "seeds": r.seeds.len(), "lengths": per_len}));
     }

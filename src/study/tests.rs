@@ -29,7 +29,7 @@ fn matcher_is_match() {
 }
 
 fn pred(id: &str, length: f64, em: f64) -> Pred {
-    Pred { key: format!("{id}@{length}"), length, em, captured: None, in_final: None }
+    Pred { key: format!("{id}@{length}"), length, em, captured: None, in_final: None, answer_cut: None }
 }
 
 #[test]
@@ -86,25 +86,29 @@ fn arm_overrides_win() {
 }
 
 fn cpred(id: &str, length: f64, captured: bool, in_final: bool) -> Pred {
-    Pred { key: format!("{id}@{length}"), length, em: in_final as u8 as f64, captured: Some(captured), in_final: Some(in_final) }
+    Pred { key: format!("{id}@{length}"), length, em: in_final as u8 as f64, captured: Some(captured), in_final: Some(in_final), answer_cut: Some(false) }
 }
 
 #[test]
 fn capture_per_arm_and_length_and_paired() {
     // arm a: at 100 tokens 2 of 2 captured, 1 kept; at 200, 1 of 2 captured, kept
-    let a = vec![cpred("q1", 100.0, true, true), cpred("q2", 100.0, true, false), cpred("q3", 200.0, true, true), cpred("q4", 200.0, false, false)];
+    let mut a = vec![cpred("q1", 100.0, true, true), cpred("q2", 100.0, true, false), cpred("q3", 200.0, true, true), cpred("q4", 200.0, false, false)];
+    // q3's answer is wrong though its final memory held it: its reply was cut by the budget
+    (a[2].em, a[2].answer_cut) = (0.0, Some(true));
     // arm b: nothing captured anywhere
     let b: Vec<Pred> = ["q1", "q2", "q3", "q4"].iter().zip([100.0, 100.0, 200.0, 200.0]).map(|(q, l)| cpred(q, l, false, false)).collect();
     // base: an evaluation written before capture was recorded
     let old = vec![pred("q1", 100.0, 1.0)];
     let runs = [Run { name: "base", seeds: vec![&old[..]] }, Run { name: "a", seeds: vec![&a[..]] }, Run { name: "b", seeds: vec![&b[..]] }];
     let (md, rows) = retention::table("held", &runs);
-    assert!(md.contains("| base | – | – | not recorded | not recorded | not recorded |"), "{md}");
+    assert!(md.contains("| base | – | – | not recorded | not recorded | not recorded | not recorded | – |"), "{md}");
     assert_eq!(rows[0]["recorded"], false);
     // one seed: the bootstrap over 2 questions of shares 1 and 0 spans [0, 1]; of shares 1, 1: [1, 1]
-    assert!(md.contains("| a | 100 | 2 | 1.000 [1.000, 1.000] | 0.500 [0.000, 1.000] | 0.500 [0.000, 1.000] (of 2) |"), "{md}");
-    assert!(md.contains("| a | 200 | 2 | 0.500 [0.000, 1.000] | 0.500 [0.000, 1.000] | 1.000 [1.000, 1.000] (of 1) |"), "{md}");
-    assert!(md.contains("| b | 200 | 2 | 0.000 [0.000, 0.000] | 0.000 [0.000, 0.000] | – (of 0) |"), "{md}");
+    assert!(md.contains("| a | 100 | 2 | 1.000 [1.000, 1.000] | 0.500 [0.000, 1.000] | 0.500 [0.000, 1.000] (of 2) | 1.000 [1.000, 1.000] (of 1) | 0.000 [0.000, 0.000] |"), "{md}");
+    assert!(md.contains("| a | 200 | 2 | 0.500 [0.000, 1.000] | 0.500 [0.000, 1.000] | 1.000 [1.000, 1.000] (of 1) | 0.000 [0.000, 0.000] (of 1) | 0.500 [0.000, 1.000] |"), "{md}");
+    assert!(md.contains("| b | 200 | 2 | 0.000 [0.000, 0.000] | 0.000 [0.000, 0.000] | – (of 0) | – (of 0) | 0.000 [0.000, 0.000] |"), "{md}");
+    assert_eq!(rows[1]["lengths"][1]["answer_cut"]["share"], 0.5);
+    assert_eq!(rows[1]["lengths"][1]["em_given_in_final"]["n"], 1);
     assert_eq!(rows[1]["lengths"][0]["captured"]["share"], 1.0);
     assert_eq!(rows[1]["lengths"][1]["kept_given_captured"]["n"], 1);
     // paired on the same questions: a captured 3 that b did not (b = 3, c = 0): p = 2/8
