@@ -395,10 +395,11 @@ fn train_on<B: TrainBackend>(model: Model<B>, a: &TrainArgs, cfg: TrainConfig, r
         pb.set_position(m.step as u64);
         pb.set_message(format!("reward {:.3} success {:.0}% gain {:+.3}", m.reward_mean, 100.0 * m.success_rate, m.gain_mean));
         let line = format!(
-            "step {:>4}: reward {:.3} success {:>5.1}% gain {:+.3} kl {:.4} clip {:.3} | rollout {:.1}s score {:.1}s update {:.1}s ({:.0} train tok/s){}",
+            "step {:>4}: reward {:.3} success {:>5.1}% answers cut {:>3.0}% gain {:+.3} kl {:.4} clip {:.3} | rollout {:.1}s score {:.1}s update {:.1}s ({:.0} train tok/s){}",
             m.step,
             m.reward_mean,
             100.0 * m.success_rate,
+            100.0 * m.answer_cut.unwrap_or(0.0),
             m.gain_mean,
             m.kl_mean,
             m.clip_frac,

@@ -150,6 +150,10 @@ pub struct StepMetrics {
     pub gain_std: f64,
     /// Groups whose rewards were not all equal (the ones GRPO learns from).
     pub informative_groups: usize,
+    /// Share of the rollouts whose final answer used its whole budget (`answer_tokens`) without
+    /// ending: a policy drifting into long replies loses answers to it (absent in older logs).
+    #[serde(default)]
+    pub answer_cut: Option<f64>,
     #[serde(deserialize_with = "f64_or_nan")]
     pub loss: f64,
     #[serde(deserialize_with = "f64_or_nan")]
@@ -422,6 +426,8 @@ impl<B: TrainBackend> Trainer<B> {
         m.success_rate = all.iter().map(|t| t.outcome).sum::<f64>() / n;
         m.em = all.iter().map(|t| t.em).sum::<f64>() / n;
         m.sub_em = all.iter().map(|t| t.sub_em).sum::<f64>() / n;
+        let cut: Vec<bool> = all.iter().filter_map(|t| t.answer_cut()).collect();
+        m.answer_cut = (!cut.is_empty()).then(|| cut.iter().filter(|&&c| c).count() as f64 / cut.len() as f64);
         let gains: Vec<f64> = all.iter().filter_map(|t| t.gain).collect();
         if !gains.is_empty() {
             // (non-finite gains are reported as they are; the update is skipped above)
